@@ -1,0 +1,11 @@
+"""dtensor_ring: ring attention (ring, zigzag, stripe, llama3) for sequence-sharded PyTorch models."""
+from .attention import ring_attention, simulate_ring
+from .kernels import BACKENDS
+from .layouts import LAYOUTS
+from .schedules import SCHEDULES
+from .sharding import sequence_positions, shard_sequence, unshard_sequence
+
+SCHEDULE_LAYOUT = {name: schedule.layout.name for name, schedule in SCHEDULES.items()}
+
+__all__ = ["BACKENDS", "LAYOUTS", "SCHEDULES", "SCHEDULE_LAYOUT", "ring_attention",
+           "sequence_positions", "shard_sequence", "simulate_ring", "unshard_sequence"]

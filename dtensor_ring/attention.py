@@ -1,0 +1,106 @@
+"""The public entry points: ``ring_attention`` on a real process group, and ``simulate_ring``, which
+runs the same schedule code for W simulated ranks in one process."""
+import math
+
+import torch
+
+from .comm import ProcessGroupComm
+from .kernels import get_kernel
+from .layouts import get_layout
+from .mesh import check_device, resolve_group
+from .schedules import get_schedule
+from .sharding import from_rank_major
+from .simulated import SimWorld
+from .validation import check_options, check_qkv
+
+
+def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_mask, dropout_p):
+    check_qkv(q, k, v)
+    check_options(is_causal=is_causal, scale=scale, precision=precision, attn_mask=attn_mask,
+                  dropout_p=dropout_p)
+    sched = get_schedule(schedule)
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return sched, dict(is_causal=is_causal, scale=scale, kernel=kernel)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm, schedule, options):
+        out, lse = schedule.forward(comm, q, k, v, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.schedule, ctx.options = comm, schedule, options
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.schedule.backward(ctx.comm, dout.contiguous(), q, k, v, out, lse,
+                                           **ctx.options)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=None,
+                   precision="fp32", backend="auto", attn_mask=None, dropout_p=0.0):
+    """Attention over the whole sequence from this rank's shards; returns this rank's output shard.
+
+    q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] hold this rank's tokens in the schedule's
+    layout (``shard_sequence(x, mesh, layout=SCHEDULE_LAYOUT[schedule])``).
+    """
+    sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
+                              precision=precision, backend=backend, attn_mask=attn_mask,
+                              dropout_p=dropout_p)
+    comm = ProcessGroupComm(resolve_group(mesh))
+    check_device(mesh, q, "query")
+    sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
+    return _RingAttention.apply(q, k, v, comm, sched, options)
+
+
+def _shard_all(x, layout, world):
+    local = x.shape[2] // world
+    return [x.index_select(2, layout.positions(local, r, world).to(x.device)) for r in range(world)]
+
+
+def _unshard_all(parts, layout, world):
+    return from_rank_major(torch.cat(parts, 2), layout, world, 2)
+
+
+class _SimulatedRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, world, schedule, options):
+        shards = [_shard_all(x, schedule.layout, world) for x in (q, k, v)]
+        results = SimWorld(world).run(
+            lambda comm: schedule.forward(comm, *(s[comm.rank] for s in shards), **options))
+        ctx.shards, ctx.results = shards, results
+        ctx.world, ctx.schedule, ctx.options = world, schedule, options
+        return _unshard_all([out for out, _ in results], schedule.layout, world)
+
+    @staticmethod
+    def backward(ctx, dout):
+        world, layout = ctx.world, ctx.schedule.layout
+        douts = _shard_all(dout.contiguous(), layout, world)
+
+        def rank_backward(comm):
+            q, k, v = (s[comm.rank] for s in ctx.shards)
+            out, lse = ctx.results[comm.rank]
+            return ctx.schedule.backward(comm, douts[comm.rank], q, k, v, out, lse, **ctx.options)
+
+        grads = SimWorld(world).run(rank_backward)
+        dq, dk, dv = (_unshard_all([g[i] for g in grads], layout, world) for i in range(3))
+        return dq, dk, dv, None, None, None
+
+
+def simulate_ring(q, k, v, *, world_size, schedule="zigzag", is_causal=False, scale=None,
+                  precision="fp32", backend="auto", attn_mask=None, dropout_p=0.0):
+    """``ring_attention`` for ``world_size`` simulated ranks in this process.
+
+    Whole tensors in natural order in and out; each simulated rank runs the real schedule on its
+    shard with the same kernels and arithmetic, so numerics at large W are testable on one device.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
+                              precision=precision, backend=backend, attn_mask=attn_mask,
+                              dropout_p=dropout_p)
+    sched.layout.check_global_len(q.shape[2], world_size, "query.shape[2] (sequence length)")
+    return _SimulatedRing.apply(q, k, v, world_size, sched, options)

@@ -1,0 +1,94 @@
+"""The communicator interface the schedules are written against, and its process-group implementation.
+
+A schedule needs four things from its peers; ``Communicator`` names them. ``ProcessGroupComm`` runs
+them on a real process group (gloo or NCCL); ``simulated.SimComm`` runs them between threads of one
+process, so ``simulate_ring`` executes the very same schedule code.
+
+Every operation is posted at once and returns a ``Pending``; ``wait()`` gives the result. A schedule
+posts the next step's exchange before it computes the current step, so the two overlap.
+"""
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Pending(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class Communicator(Protocol):
+    rank: int
+    world_size: int
+
+    def send_recv_next(self, tensor: torch.Tensor) -> Pending:
+        """Send ``tensor`` to rank+1 and receive a tensor of the same shape from rank-1 (mod W)."""
+
+    def all_gather(self, tensor: torch.Tensor) -> Pending:
+        """Every rank's ``tensor`` stacked along a new leading dim of size W, in rank order."""
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> Pending:
+        """``tensor`` has a leading dim of size W; rank r gets the sum over ranks of ``tensor[r]``."""
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+class _Works:
+    def __init__(self, works, value, finish=None):
+        self.works, self.value, self.finish = works, value, finish
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return self.finish(self.value) if self.finish else self.value
+
+
+def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
+    """Sum over the leading dim in a fixed order, so the simulated and gloo paths agree bit for bit."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+class ProcessGroupComm:
+    """``Communicator`` over a ``torch.distributed`` process group."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
+        self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
+        # NCCL sums in its own (fast) order; on gloo we sum in rank order to match the simulator.
+        self._native_reduce_scatter = dist.get_backend(group) == "nccl"
+
+    def send_recv_next(self, tensor):
+        if self.world_size == 1:
+            return _Done(tensor)
+        received = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, self._next, self.group),
+               dist.P2POp(dist.irecv, received, self._prev, self.group)]
+        return _Works(dist.batch_isend_irecv(ops), received)
+
+    def all_gather(self, tensor):
+        gathered = tensor.new_empty((self.world_size, *tensor.shape))
+        work = dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=self.group,
+                                           async_op=True)
+        return _Works([work], gathered)
+
+    def reduce_scatter(self, tensor):
+        tensor = tensor.contiguous()
+        if self._native_reduce_scatter:
+            out = tensor.new_empty(tensor.shape[1:])
+            work = dist.reduce_scatter_tensor(out, tensor, group=self.group, async_op=True)
+            return _Works([work], out)
+        received = torch.empty_like(tensor)
+        work = dist.all_to_all_single(received, tensor, group=self.group, async_op=True)
+        return _Works([work], received, sum_in_rank_order)

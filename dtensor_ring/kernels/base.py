@@ -1,0 +1,42 @@
+"""The block-kernel interface every backend implements.
+
+A block kernel computes attention of one block of queries against one block of keys:
+
+    forward(q, k, v, causal, scale)                       -> out (q's dtype), lse (fp32, [B, H, Sq])
+    backward(dout, q, k, v, out, lse, causal, scale)      -> dq, dk, dv (q's dtype)
+
+``causal`` is top-left aligned and only used with Sq == Sk (the schedules guarantee it). In backward,
+``out`` and ``lse`` are the *merged* results over all keys, so each block's gradients are exactly its
+share of the full attention's gradients. q is [B, Hq, S, D]; k and v may have Hkv heads, Hq % Hkv == 0.
+"""
+import torch
+
+
+class BlockKernel:
+    name: str = ""
+    supports_gqa = True
+
+    def available(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+        raise NotImplementedError
+
+    def forward(self, q, k, v, causal: bool, scale: float):
+        raise NotImplementedError
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        raise NotImplementedError
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, Hkv * groups, S, D], kv head h serving q heads h*groups .. h*groups+groups-1.
+
+    Only for kernels without native GQA, on the compute side: K/V never travel repeated.
+    """
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def sum_kv_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """Inverse of ``repeat_kv`` for gradients: sum each kv head's q-head group."""
+    if groups == 1:
+        return grad
+    b, h, s, d = grad.shape
+    return grad.view(b, h // groups, groups, s, d).sum(dim=2)

@@ -1,0 +1,76 @@
+"""PyTorch's CUDA attention kernels called through their aten ops: cuDNN and flash.
+
+Both take bf16/fp16, return the LSE in fp32, and accept a backward with an LSE and output that are
+not their own (the merged ones), which is what the ring needs. cuDNN is the fastest on Hopper.
+"""
+import torch
+
+from .base import BlockKernel, repeat_kv, sum_kv_groups
+
+_aten = torch.ops.aten
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class _CudaKernel(BlockKernel):
+    max_head_dim = 128
+
+    def available(self, device, dtype, head_dim):
+        return (device.type == "cuda" and dtype in _HALF and head_dim % 8 == 0
+                and head_dim <= self.max_head_dim and self._op_available())
+
+    def _op_available(self):
+        return True
+
+    def forward(self, q, k, v, causal, scale):
+        groups = q.shape[1] // k.shape[1]
+        if not self.supports_gqa:
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        return self._forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        groups = q.shape[1] // k.shape[1]
+        if not self.supports_gqa:
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        dq, dk, dv = self._backward(dout.contiguous(), q.contiguous(), k.contiguous(),
+                                    v.contiguous(), out.contiguous(), lse.contiguous(), causal,
+                                    scale)
+        if not self.supports_gqa:
+            dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
+        return dq, dk, dv
+
+
+class Cudnn(_CudaKernel):
+    name = "cudnn"
+    supports_gqa = False
+
+    def _op_available(self):
+        return torch.backends.cudnn.is_available()
+
+    def _forward(self, q, k, v, causal, scale):
+        out, lse = _aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        return out, lse.view(lse.shape[:3])  # cuDNN's LSE is [B, H, S, 1]
+
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
+        seed = offset = torch.empty(0, device=q.device)
+        return _aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None,
+            q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+
+
+class Flash(_CudaKernel):
+    name = "flash"
+    max_head_dim = 256
+
+    def _op_available(self):
+        return torch.backends.cuda.flash_sdp_enabled()
+
+    def _forward(self, q, k, v, causal, scale):
+        return _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                         scale=scale)[:2]
+
+    def _backward(self, dout, q, k, v, out, lse, causal, scale):
+        empty = torch.empty(0, device=q.device)
+        return _aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal,
+            empty, empty, scale=scale)

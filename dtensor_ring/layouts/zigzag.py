@@ -1,0 +1,58 @@
+"""Zigzag layout: the sequence is cut into 2W chunks of S/2 tokens; rank r holds chunks r and 2W-1-r.
+
+Rank r's local tokens are [chunk r | chunk 2W-1-r], so every rank holds one early and one late chunk
+and causal work is balanced. Causal ring blocks (a = first local half, b = second local half):
+
+    src == rank : q[a b] x k[a b] causal        (chunk r < chunk 2W-1-r, so plain causal is right)
+    src <  rank : q[a b] x k[a]   full          (chunk src precedes both q chunks; chunk 2W-1-src
+                                                 follows both)
+    src >  rank : q[b]   x k[a b] full          (only q chunk 2W-1-r is late enough, and it follows
+                                                 both chunks src and 2W-1-src)
+
+W = 2, chunks 0..3; rank 0 holds [0 3], rank 1 holds [1 2]:
+
+                 k: 0  3 | 1  2
+    rank 0  q 0     \  . | .  .        step src=0: causal      step src=1: q[b] x k[a b]
+            q 3     #  \ | #  #
+    rank 1  q 1     #  . | \  .        step src=1: causal      step src=0: q[a b] x k[a]
+            q 2     #  . | #  \
+
+Every off-diagonal step is one full block of S x S/2 (or S/2 x S) tokens: the same work on every rank.
+"""
+import torch
+
+from .base import Block, Layout
+
+
+class Zigzag(Layout):
+    name = "zigzag"
+
+    def check_local_len(self, local_len, arg="local sequence length"):
+        if local_len < 2 or local_len % 2:
+            raise ValueError(
+                f"{arg}={local_len} must be even (and at least 2) for layout 'zigzag', "
+                "which holds two chunks per rank")
+
+    def check_global_len(self, seq_len, world_size, arg="seq_len"):
+        if seq_len % (2 * world_size):
+            raise ValueError(
+                f"{arg}={seq_len} is not divisible by 2 * mesh size = {2 * world_size}, "
+                "as layout 'zigzag' needs")
+
+    def positions(self, local_len, rank, world_size):
+        half = local_len // 2
+        first = torch.arange(rank * half, (rank + 1) * half)
+        late = 2 * world_size - 1 - rank
+        return torch.cat([first, torch.arange(late * half, (late + 1) * half)])
+
+    def causal_ring_blocks(self, local_len, rank, src, world_size):
+        half = local_len // 2
+        everything, first, second = slice(0, local_len), slice(0, half), slice(half, local_len)
+        if src == rank:
+            return [Block(everything, everything, True)]
+        if src < rank:
+            return [Block(everything, first, False)]
+        return [Block(second, everything, False)]
+
+
+ZIGZAG = Zigzag()

@@ -1,0 +1,106 @@
+"""The Llama 3 schedule: zigzag layout, K/V all-gathered in groups of KV heads.
+
+Each rank gathers the whole K/V of a group of KV heads (post the next group's all-gather before
+computing this one, so the two overlap; two groups in flight bound the memory), puts the gathered
+chunks in natural order, and computes its two q chunks against the prefix each may see. Groups are
+disjoint heads, so no merge is needed across them.
+
+Zigzag chunks held by rank r: c0 = r and c1 = 2W-1-r. Causal blocks of q chunk c against the
+natural-order K of the group (C = S_local / 2 tokens per chunk):
+
+    k:      [0, cC)              [cC, (c+1)C)
+    q c     full                 causal (diagonal)
+
+The diagonal block comes first and starts the fp32 accumulator; the prefix merges into it (it is
+empty for c = 0). Non-causal: all q rows against all K, one block.
+
+Backward: gather K/V again per group, compute dq (fp32, local) and dK/dV for the whole gathered
+sequence in fp32, and reduce-scatter that (fp32) back to the owners, overlapped with the next group.
+Groups: min(Hkv, W), so a gathered group is about the size of the local K/V.
+"""
+import torch
+
+from ..comm import Communicator
+from ..layouts import ZIGZAG, Block
+from .base import add_grads_, attend_, block_grads, fp32_like
+
+
+def head_groups(kv_heads: int, world_size: int) -> list[slice]:
+    count = min(kv_heads, world_size)
+    bounds = [round(i * kv_heads / count) for i in range(count + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def to_natural(gathered: torch.Tensor) -> torch.Tensor:
+    """[W, ..., S_local, D] gathered zigzag shards -> [..., W * S_local, D] in sequence order."""
+    world, half = gathered.shape[0], gathered.shape[-2] // 2
+    chunks = torch.cat([gathered[..., :half, :], gathered[..., half:, :].flip(0)])  # chunk order
+    dims = list(range(1, chunks.dim() - 2))
+    natural = chunks.permute(*dims, 0, -2, -1)  # [..., 2W, C, D]
+    return natural.reshape(*natural.shape[:-3], 2 * world * half, natural.shape[-1])
+
+
+def to_rank_major(natural: torch.Tensor, world: int) -> torch.Tensor:
+    """Inverse of ``to_natural``: [..., W * S_local, D] -> [W, ..., S_local, D]."""
+    *lead, seq, dim = natural.shape
+    chunks = natural.view(*lead, 2 * world, seq // (2 * world), dim)
+    chunks = chunks.permute(len(lead), *range(len(lead)), -2, -1)  # [2W, ..., C, D]
+    return torch.cat([chunks[:world], chunks[world:].flip(0)], dim=-2)
+
+
+def _blocks(rank, world, local_len, is_causal):
+    """(q rows, k cols, causal, fresh) in natural-order K; see the grid above."""
+    if not is_causal:
+        return [(Block(slice(0, local_len), slice(0, world * local_len), False), True)]
+    half, blocks = local_len // 2, []
+    for j, chunk in enumerate((rank, 2 * world - 1 - rank)):
+        rows = slice(j * half, (j + 1) * half)
+        blocks.append((Block(rows, slice(chunk * half, (chunk + 1) * half), True), True))
+        if chunk:
+            blocks.append((Block(rows, slice(0, chunk * half), False), False))
+    return blocks
+
+
+class Llama3:
+    name, exchange, layout = "llama3", "allgather", ZIGZAG
+
+    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel):
+        groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
+        out, lse = fp32_like(q), fp32_like(q, q.shape[:3])
+        kv = torch.stack([k, v])
+        blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal)
+        pending = comm.all_gather(kv[:, :, groups[0]])
+        for i, heads in enumerate(groups):
+            gathered = pending.wait()
+            if i + 1 < len(groups):
+                pending = comm.all_gather(kv[:, :, groups[i + 1]])
+            k_all, v_all = to_natural(gathered)
+            q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
+            out_h, lse_h = out[:, q_heads], lse[:, q_heads]
+            for block, fresh in blocks:
+                attend_(kernel, q[:, q_heads], k_all, v_all, block, scale, out_h, lse_h, fresh)
+        return out.to(q.dtype), lse
+
+    def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
+        world = comm.world_size
+        groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
+        dq, dkv = fp32_like(q), fp32_like(q, (2, *k.shape))
+        kv = torch.stack([k, v])
+        blocks = _blocks(comm.rank, world, q.shape[2], is_causal)
+        pending_kv, pending_grad = comm.all_gather(kv[:, :, groups[0]]), None
+        for i, heads in enumerate(groups):
+            gathered = pending_kv.wait()
+            if i + 1 < len(groups):
+                pending_kv = comm.all_gather(kv[:, :, groups[i + 1]])
+            k_all, v_all = to_natural(gathered)
+            q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
+            dq_h, dkv_all = dq[:, q_heads], fp32_like(q, (2, *k_all.shape))
+            for block, _ in blocks:
+                grads = block_grads(kernel, dout[:, q_heads], q[:, q_heads], k_all, v_all,
+                                    out[:, q_heads], lse[:, q_heads], block, scale)
+                add_grads_(block, grads, dq_h, dkv_all[0], dkv_all[1])
+            if pending_grad is not None:
+                dkv[:, :, groups[i - 1]] = pending_grad.wait()
+            pending_grad = comm.reduce_scatter(to_rank_major(dkv_all, world))
+        dkv[:, :, groups[-1]] = pending_grad.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

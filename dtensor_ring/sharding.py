@@ -1,0 +1,65 @@
+"""Moving whole sequences to and from a layout: ``shard_sequence``, ``unshard_sequence``,
+``sequence_positions``."""
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+
+from .layouts import Layout, get_layout
+from .mesh import check_device, resolve_group
+from .validation import check_tensor
+
+
+def rank_major_positions(layout: Layout, seq_len: int, world_size: int) -> torch.Tensor:
+    """Global positions of all ranks' tokens, rank 0's first: the order of a concatenation of shards."""
+    local = seq_len // world_size
+    return torch.cat([layout.positions(local, r, world_size) for r in range(world_size)])
+
+
+def _dim(x, dim):
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _group_of(mesh):
+    group = resolve_group(mesh)
+    return dist.get_rank(group), dist.get_world_size(group), group
+
+
+def shard_sequence(x: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of the whole sequence ``x`` (same on every rank) in ``layout``."""
+    check_tensor(x, "x")
+    check_device(mesh, x, "x")
+    dim, lay = _dim(x, dim), get_layout(layout)
+    rank, world, _ = _group_of(mesh)
+    lay.check_global_len(x.shape[dim], world, f"x.shape[{dim}]")
+    index = lay.positions(x.shape[dim] // world, rank, world).to(x.device)
+    return x.index_select(dim, index)
+
+
+def unshard_sequence(x_local: torch.Tensor, mesh, dim: int = 2,
+                     layout: str = "zigzag") -> torch.Tensor:
+    """The whole sequence in natural order, on every rank (differentiable)."""
+    check_tensor(x_local, "x_local")
+    check_device(mesh, x_local, "x_local")
+    dim, lay = _dim(x_local, dim), get_layout(layout)
+    _, world, group = _group_of(mesh)
+    lay.check_local_len(x_local.shape[dim], f"x_local.shape[{dim}]")
+    shards = dist_fn.all_gather(x_local.contiguous(), group=group)
+    return from_rank_major(torch.cat(shards, dim), lay, world, dim)
+
+
+def from_rank_major(x: torch.Tensor, layout: Layout, world_size: int, dim: int) -> torch.Tensor:
+    """A concatenation of all ranks' shards along ``dim`` -> natural order."""
+    order = rank_major_positions(layout, x.shape[dim], world_size).argsort()
+    return x.index_select(dim, order.to(x.device))
+
+
+def sequence_positions(seq_len: int, mesh, layout: str = "zigzag", device=None) -> torch.Tensor:
+    """Global positions (int64) of this rank's tokens, e.g. for RoPE."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise TypeError(f"seq_len must be an int; got {seq_len!r}")
+    lay = get_layout(layout)
+    rank, world, _ = _group_of(mesh)
+    lay.check_global_len(seq_len, world)
+    return lay.positions(seq_len // world, rank, world).to(device)
