@@ -31,6 +31,11 @@ class Communicator(Protocol):
         """``tensor`` has a leading dim of size W; rank r gets the sum over ranks of ``tensor[r]``."""
 
 
+# torch 2.13 renamed the tensor collectives; 2.11 and 2.12 only have the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _Done:
     def __init__(self, value):
         self.value = value
@@ -78,16 +83,18 @@ class ProcessGroupComm:
         return _Works(dist.batch_isend_irecv(ops), received)
 
     def all_gather(self, tensor):
-        gathered = tensor.new_empty((self.world_size, *tensor.shape))
-        work = dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=self.group,
-                                           async_op=True)
-        return _Works([work], gathered)
+        # The collectives concatenate along dim 0; flatten the leading dims so any rank works.
+        flat = tensor.contiguous().view(-1, *tensor.shape[-1:])
+        gathered = flat.new_empty((self.world_size * flat.shape[0], flat.shape[1]))
+        work = _all_gather_tensor(gathered, flat, group=self.group, async_op=True)
+        return _Works([work], gathered.view(self.world_size, *tensor.shape))
 
     def reduce_scatter(self, tensor):
         tensor = tensor.contiguous()
         if self._native_reduce_scatter:
             out = tensor.new_empty(tensor.shape[1:])
-            work = dist.reduce_scatter_tensor(out, tensor, group=self.group, async_op=True)
+            work = _reduce_scatter_tensor(out.view(-1), tensor.view(-1), group=self.group,
+                                              async_op=True)
             return _Works([work], out)
         received = torch.empty_like(tensor)
         work = dist.all_to_all_single(received, tensor, group=self.group, async_op=True)

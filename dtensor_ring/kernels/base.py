@@ -2,27 +2,33 @@
 
 A block kernel computes attention of one block of queries against one block of keys:
 
-    forward(q, k, v, causal, scale)                       -> out (q's dtype), lse (fp32, [B, H, Sq])
-    backward(dout, q, k, v, out, lse, causal, scale)      -> dq, dk, dv (q's dtype)
+    forward(q, k, v, mask, scale)                       -> out (q's dtype), lse (fp32, [B, H, Sq])
+    backward(dout, q, k, v, out, lse, mask, scale)      -> dq, dk, dv (q's dtype)
 
-``causal`` is top-left aligned and only used with Sq == Sk (the schedules guarantee it). In backward,
+``mask`` is one of ``MASKS``: ``"none"``; ``"causal"``, square blocks only (Sq == Sk), q row i sees
+k rows 0..i; ``"causal_bottom_right"``, Sq <= Sk, q row i sees k rows 0..i + Sk - Sq (the last q row
+sees every key), offered only by kernels that list it in ``masks``. In backward,
 ``out`` and ``lse`` are the *merged* results over all keys, so each block's gradients are exactly its
 share of the full attention's gradients. q is [B, Hq, S, D]; k and v may have Hkv heads, Hq % Hkv == 0.
 """
 import torch
 
+NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT = "none", "causal", "causal_bottom_right"
+MASKS = (NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT)
+
 
 class BlockKernel:
     name: str = ""
     supports_gqa = True
+    masks = (NONE, CAUSAL)
 
     def available(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         raise NotImplementedError
 
-    def forward(self, q, k, v, causal: bool, scale: float):
+    def forward(self, q, k, v, mask: str, scale: float):
         raise NotImplementedError
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, mask: str, scale: float):
         raise NotImplementedError
 
 

@@ -2,10 +2,12 @@
 
 Both take bf16/fp16, return the LSE in fp32, and accept a backward with an LSE and output that are
 not their own (the merged ones), which is what the ring needs. cuDNN is the fastest on Hopper.
+PyTorch's flash op is flash-attn v2 inside: its ``is_causal`` is bottom-right aligned, which is
+top-left for square blocks, so it offers both causal masks; cuDNN's is top-left only.
 """
 import torch
 
-from .base import BlockKernel, repeat_kv, sum_kv_groups
+from .base import MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
 
 _aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
@@ -21,13 +23,14 @@ class _CudaKernel(BlockKernel):
     def _op_available(self):
         return True
 
-    def forward(self, q, k, v, causal, scale):
-        groups = q.shape[1] // k.shape[1]
+    def forward(self, q, k, v, mask, scale):
+        groups, causal = q.shape[1] // k.shape[1], mask != NONE
         if not self.supports_gqa:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         return self._forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        causal = mask != NONE
         groups = q.shape[1] // k.shape[1]
         if not self.supports_gqa:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
@@ -61,6 +64,7 @@ class Cudnn(_CudaKernel):
 class Flash(_CudaKernel):
     name = "flash"
     max_head_dim = 256
+    masks = MASKS
 
     def _op_available(self):
         return torch.backends.cuda.flash_sdp_enabled()

@@ -1,13 +1,13 @@
 """The flash-attn package's kernels (optional; used when ``import flash_attn`` works).
 
 flash-attn works in [B, S, H, D]; we transpose views in and out. Its ``causal`` is bottom-right
-aligned, which equals top-left for the square blocks the schedules pass with ``causal=True``.
+aligned, which is top-left for square blocks: it offers both causal masks.
 """
 import importlib.util
 
 import torch
 
-from .base import BlockKernel
+from .base import MASKS, NONE, BlockKernel
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -19,19 +19,22 @@ def _interface():
 
 class FlashAttn(BlockKernel):
     name = "flash_attn"
+    masks = MASKS
 
     def available(self, device, dtype, head_dim):
         return (device.type == "cuda" and dtype in _HALF and head_dim <= 256
                 and importlib.util.find_spec("flash_attn") is not None)
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, mask, scale):
+        causal = mask != NONE
         bshd = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
         out, lse = _interface()._flash_attn_forward(
             *bshd, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
             softcap=0.0, alibi_slopes=None, return_softmax=False)[:2]
         return out.transpose(1, 2), lse
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        causal = mask != NONE
         bshd = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]
         dq, dk, dv = (torch.empty_like(x) for x in bshd[1:4])
         _interface()._flash_attn_backward(

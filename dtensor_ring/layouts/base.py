@@ -6,14 +6,13 @@ import torch
 
 @dataclass(frozen=True)
 class Block:
-    """One kernel call: local q rows ``q`` attend k rows ``k`` of the K/V held this step.
-
-    ``causal`` is top-left aligned (q row i sees k rows 0..i of the slice), as in SDPA's ``is_causal``.
-    """
+    """One kernel call: local q rows ``q`` attend k rows ``k`` of the K/V held this step, under
+    ``mask``: "none", "causal" (square, q row i sees k rows 0..i of the slice) or
+    "causal_bottom_right" (see kernels/base.py)."""
 
     q: slice
     k: slice
-    causal: bool
+    mask: str
 
 
 class Layout:
@@ -41,7 +40,7 @@ class Layout:
                     is_causal: bool) -> list[Block]:
         """Blocks rank ``rank`` computes holding the K/V of rank ``src``. Non-causal: all of it."""
         if not is_causal:
-            return [Block(slice(0, local_len), slice(0, local_len), False)]
+            return [Block(slice(0, local_len), slice(0, local_len), "none")]
         return self.causal_ring_blocks(local_len, rank, src, world_size)
 
     def causal_ring_blocks(self, local_len, rank, src, world_size) -> list[Block]:

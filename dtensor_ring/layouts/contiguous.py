@@ -24,9 +24,9 @@ class Contiguous(Layout):
     def causal_ring_blocks(self, local_len, rank, src, world_size):
         everything = slice(0, local_len)
         if src == rank:
-            return [Block(everything, everything, True)]
+            return [Block(everything, everything, "causal")]
         if src < rank:
-            return [Block(everything, everything, False)]
+            return [Block(everything, everything, "none")]
         return []
 
 

@@ -31,10 +31,10 @@ class Stripe(Layout):
 
     def causal_ring_blocks(self, local_len, rank, src, world_size):
         if src <= rank:
-            return [Block(slice(0, local_len), slice(0, local_len), True)]
+            return [Block(slice(0, local_len), slice(0, local_len), "causal")]
         if local_len == 1:
             return []
-        return [Block(slice(1, local_len), slice(0, local_len - 1), True)]
+        return [Block(slice(1, local_len), slice(0, local_len - 1), "causal")]
 
 
 STRIPE = Stripe()

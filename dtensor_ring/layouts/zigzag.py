@@ -49,10 +49,10 @@ class Zigzag(Layout):
         half = local_len // 2
         everything, first, second = slice(0, local_len), slice(0, half), slice(half, local_len)
         if src == rank:
-            return [Block(everything, everything, True)]
+            return [Block(everything, everything, "causal")]
         if src < rank:
-            return [Block(everything, first, False)]
-        return [Block(second, everything, False)]
+            return [Block(everything, first, "none")]
+        return [Block(second, everything, "none")]
 
 
 ZIGZAG = Zigzag()

@@ -9,7 +9,7 @@ from ..merge import init_, merge_
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):
     """Attention of ``block`` merged into ``out``/``lse`` (fp32); ``fresh``: its rows are untouched."""
     block_out, block_lse = kernel.forward(q[:, :, block.q], k[:, :, block.k], v[:, :, block.k],
-                                          block.causal, scale)
+                                          block.mask, scale)
     (init_ if fresh else merge_)(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
 
 
@@ -17,7 +17,7 @@ def block_grads(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, scal
     """(dq, dk, dv) of ``block``: its share of the full attention's gradients, in the input dtype."""
     rows, cols = block.q, block.k
     return kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                           out[:, :, rows], lse[:, :, rows], block.causal, scale)
+                           out[:, :, rows], lse[:, :, rows], block.mask, scale)
 
 
 def add_grads_(block: Block, grads, dq, dk, dv):

@@ -5,13 +5,14 @@ computing this one, so the two overlap; two groups in flight bound the memory), 
 chunks in natural order, and computes its two q chunks against the prefix each may see. Groups are
 disjoint heads, so no merge is needed across them.
 
-Zigzag chunks held by rank r: c0 = r and c1 = 2W-1-r. Causal blocks of q chunk c against the
-natural-order K of the group (C = S_local / 2 tokens per chunk):
+Zigzag chunks held by rank r: c0 = r and c1 = 2W-1-r. q chunk c sees the natural-order K of the
+group up to the end of its own chunk (C = S_local / 2 tokens per chunk):
 
     k:      [0, cC)              [cC, (c+1)C)
     q c     full                 causal (diagonal)
 
-The diagonal block comes first and starts the fp32 accumulator; the prefix merges into it (it is
+With a kernel that offers the bottom-right causal mask that is one call per chunk and no merge.
+Otherwise the diagonal block starts the fp32 accumulator and the prefix merges into it (it is
 empty for c = 0). Non-causal: all q rows against all K, one block.
 
 Backward: gather K/V again per group, compute dq (fp32, local) and dK/dV for the whole gathered
@@ -21,6 +22,7 @@ Groups: min(Hkv, W), so a gathered group is about the size of the local K/V.
 import torch
 
 from ..comm import Communicator
+from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block
 from .base import add_grads_, attend_, block_grads, fp32_like
 
@@ -48,16 +50,19 @@ def to_rank_major(natural: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat([chunks[:world], chunks[world:].flip(0)], dim=-2)
 
 
-def _blocks(rank, world, local_len, is_causal):
-    """(q rows, k cols, causal, fresh) in natural-order K; see the grid above."""
+def _blocks(rank, world, local_len, is_causal, kernel):
+    """(block, fresh) pairs in natural-order K; see the grid above."""
     if not is_causal:
-        return [(Block(slice(0, local_len), slice(0, world * local_len), False), True)]
+        return [(Block(slice(0, local_len), slice(0, world * local_len), NONE), True)]
     half, blocks = local_len // 2, []
     for j, chunk in enumerate((rank, 2 * world - 1 - rank)):
         rows = slice(j * half, (j + 1) * half)
-        blocks.append((Block(rows, slice(chunk * half, (chunk + 1) * half), True), True))
+        if CAUSAL_BOTTOM_RIGHT in kernel.masks:
+            blocks.append((Block(rows, slice(0, (chunk + 1) * half), CAUSAL_BOTTOM_RIGHT), True))
+            continue
+        blocks.append((Block(rows, slice(chunk * half, (chunk + 1) * half), CAUSAL), True))
         if chunk:
-            blocks.append((Block(rows, slice(0, chunk * half), False), False))
+            blocks.append((Block(rows, slice(0, chunk * half), NONE), False))
     return blocks
 
 
@@ -68,7 +73,7 @@ class Llama3:
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
         out, lse = fp32_like(q), fp32_like(q, q.shape[:3])
         kv = torch.stack([k, v])
-        blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal)
+        blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal, kernel)
         pending = comm.all_gather(kv[:, :, groups[0]])
         for i, heads in enumerate(groups):
             gathered = pending.wait()
@@ -86,7 +91,7 @@ class Llama3:
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
         dq, dkv = fp32_like(q), fp32_like(q, (2, *k.shape))
         kv = torch.stack([k, v])
-        blocks = _blocks(comm.rank, world, q.shape[2], is_causal)
+        blocks = _blocks(comm.rank, world, q.shape[2], is_causal, kernel)
         pending_kv, pending_grad = comm.all_gather(kv[:, :, groups[0]]), None
         for i, heads in enumerate(groups):
             gathered = pending_kv.wait()

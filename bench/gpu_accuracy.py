@@ -1,0 +1,138 @@
+"""Accuracy (vs float64) and time of every schedule with each CUDA block kernel, on W GPUs.
+
+    torchrun --nproc-per-node=4 bench/gpu_accuracy.py --out results.json
+
+For each backend (cudnn, flash) and schedule: rel-RMS and max-abs error of out, dq, dk, dv over the
+whole sequence against a float64 reference, each as a ratio to the same backend's single-GPU kernel
+on the whole sequence (1.00 = splitting added no error); and forward / forward+backward time (CUDA
+events, median of --iters after warm-up, max over ranks), with the single-GPU time / W as the ideal.
+"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import dtensor_ring as dr
+
+SDPA_BACKEND = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def fwd_bwd(fn, q, k, v, dout):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def errors(results, reference):
+    return {n: {"rel_rms": ((r.double() - ref).norm() / ref.norm()).item(),
+                "max_abs": (r.double() - ref).abs().max().item()}
+            for n, r, ref in zip(NAMES, results, reference)}
+
+
+def median_ms(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    worst = torch.tensor(statistics.median(times), device="cuda")
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=8192, help="global sequence length")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    mesh = init_device_mesh("cuda", (world,))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape_q = (1, args.heads, args.seq, args.head_dim)
+    shape_kv = (1, args.kv_heads, args.seq, args.head_dim)
+    q64, k64, v64, dout64 = (torch.randn(s, generator=gen, device="cuda", dtype=torch.float64)
+                             for s in (shape_q, shape_kv, shape_kv, shape_q))
+    gqa = args.heads != args.kv_heads
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(
+            a, b, c, is_causal=True, enable_gqa=gqa), q64, k64, v64, dout64)
+    q, k, v, dout = (x.bfloat16() for x in (q64, k64, v64, dout64))
+    rows = []
+    for backend, sdpa_backend in SDPA_BACKEND.items():
+        def single(a, b, c, sdpa_backend=sdpa_backend):
+            with sdpa_kernel(sdpa_backend):
+                return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
+        try:
+            single_err = errors(fwd_bwd(single, q, k, v, dout), reference)
+        except RuntimeError as error:  # e.g. a kernel that does not take GQA on this torch
+            if rank == 0:
+                print(f"single-GPU {backend} unavailable: {error}".splitlines()[0])
+            continue
+        ideal_fwd = median_ms(lambda: single(q, k, v), args.warmup, args.iters) / world
+        ideal_fb = median_ms(lambda: fwd_bwd(single, q, k, v, dout), args.warmup,
+                             args.iters) / world
+        for schedule in sorted(dr.SCHEDULES):
+            layout = dr.SCHEDULE_LAYOUT[schedule]
+            shards = [dr.shard_sequence(x, mesh, layout=layout) for x in (q, k, v, dout)]
+
+            def ring(a, b, c, schedule=schedule, backend=backend):
+                return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule, is_causal=True,
+                                         backend=backend)
+
+            local = fwd_bwd(ring, *shards)
+            whole = [dr.unshard_sequence(x.contiguous(), mesh, layout=layout) for x in local]
+            err = errors(whole, reference)
+            with torch.no_grad():
+                fwd_ms = median_ms(lambda: ring(*shards[:3]), args.warmup, args.iters)
+            fb_ms = median_ms(lambda: fwd_bwd(ring, *shards), args.warmup, args.iters)
+            rows.append({
+                "backend": backend, "schedule": schedule, "world_size": world,
+                "ratio_rel_rms": {n: err[n]["rel_rms"] / single_err[n]["rel_rms"] for n in NAMES},
+                "ratio_max_abs": {n: err[n]["max_abs"] / single_err[n]["max_abs"] for n in NAMES},
+                "errors": err, "single_gpu_errors": single_err,
+                "fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms,
+                "ideal_fwd_ms": ideal_fwd, "ideal_fwd_bwd_ms": ideal_fb,
+                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
+    if rank == 0:
+        meta = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+                "gpu": torch.cuda.get_device_name(), "world_size": world, "seq": args.seq,
+                "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                "dtype": "bfloat16", "causal": True}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"W={world} S={args.seq} H={args.heads}/{args.kv_heads} d={args.head_dim} "
+              f"causal bf16 {meta['gpu']} torch {meta['torch']} cudnn {meta['cudnn']}")
+        print("backend schedule  rel-RMS ratio out/dq/dk/dv   max-abs ratio out/dq/dk/dv   "
+              "fwd ms (ideal)   fwd+bwd ms (ideal)")
+        for r in rows:
+            rr = "/".join(f"{r['ratio_rel_rms'][n]:.2f}" for n in NAMES)
+            ma = "/".join(f"{r['ratio_max_abs'][n]:.2f}" for n in NAMES)
+            print(f"{r['backend']:7} {r['schedule']:8} {rr:28} {ma:28} "
+                  f"{r['fwd_ms']:6.2f} ({r['ideal_fwd_ms']:.2f})   "
+                  f"{r['fwd_bwd_ms']:6.2f} ({r['ideal_fwd_bwd_ms']:.2f})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

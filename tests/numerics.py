@@ -1,0 +1,53 @@
+"""Float64 references and error ratios shared by the numeric tests.
+
+Tolerances are relative to the single-device kernel's own error on the same inputs (rel-RMS against
+float64): splitting the sequence may add little error on top of what the kernel already makes.
+  * fp32 inputs: <= 1.1x the kernel's rel-RMS (the fp32 merge adds rounding of the same order as the
+    kernel's own, but far less than it).
+  * bf16 inputs with fp32 merge: <= 1.25x (each block's output and gradients come back rounded to
+    bf16 before the fp32 merge/sum; that is the growth ``precision="exact"`` removes).
+A deliberately wrong schedule lands orders of magnitude outside these (tests/test_simulate.py).
+"""
+import torch
+import torch.nn.functional as F
+
+TOLERANCE = {torch.float32: 1.10, torch.bfloat16: 1.25, torch.float16: 1.25}
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def make_inputs(batch, q_heads, kv_heads, seq, head_dim, seed=0):
+    """Whole-sequence q, k, v and an upstream gradient, float64, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(batch, q_heads, seq, head_dim), (batch, kv_heads, seq, head_dim),
+              (batch, kv_heads, seq, head_dim), (batch, q_heads, seq, head_dim)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+
+
+def attention_and_grads(fn, q, k, v, dout, dtype):
+    """``fn(q, k, v)`` on inputs cast to ``dtype``; returns out, dq, dk, dv."""
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout.to(dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def sdpa(is_causal):
+    """The single-device kernel (PyTorch's SDPA, which on CPU runs the same flash kernel)."""
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                          enable_gqa=True)
+
+
+def rel_rms(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def ratios(results, kernel_results, reference):
+    """rel-RMS of ``results`` over rel-RMS of ``kernel_results``, each against ``reference``."""
+    return {name: rel_rms(r, ref) / rel_rms(s, ref)
+            for name, r, s, ref in zip(NAMES, results, kernel_results, reference)}
+
+
+def check_ratios(ratio_by_name, dtype, where=""):
+    limit = TOLERANCE[dtype]
+    bad = {n: round(r, 3) for n, r in ratio_by_name.items() if not r <= limit}
+    assert not bad, f"{where}: error ratio to the single-device kernel above {limit}: {bad}"

@@ -1,0 +1,109 @@
+"""Block kernels, on whatever device this runs (CPU here; CUDA backends on a GPU machine).
+
+Each available backend must (1) match its own single-device SDPA kernel on whole inputs, (2) give
+the float64 bottom-right causal result where it offers that mask, and (3) have the property the
+ring relies on: attention split over two key blocks, merged in fp32, with each block's backward
+taking the *merged* out and LSE, gives the whole attention's out and gradients, with error no more
+than tests/numerics.py's tolerance times the unsplit kernel's.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtensor_ring.kernels import BACKENDS
+from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
+from dtensor_ring.merge import init_, merge_
+from numerics import TOLERANCE, rel_rms
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _usable(name, dtype, head_dim=64):
+    return BACKENDS[name].available(DEVICE, dtype, head_dim)
+
+
+def _params():
+    return [pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}")
+            for name in sorted(BACKENDS) for dtype in DTYPES if _usable(name, dtype)]
+
+
+def _inputs(sq, sk, q_heads=4, kv_heads=2, head_dim=64, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    shapes = [(2, q_heads, sq, head_dim), (2, kv_heads, sk, head_dim),
+              (2, kv_heads, sk, head_dim), (2, q_heads, sq, head_dim)]
+    return [torch.randn(s, generator=gen, device=DEVICE, dtype=torch.float64) for s in shapes]
+
+
+def _reference(q, k, v, dout, allowed=None, is_causal=False):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=is_causal,
+                                         enable_gqa=True)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _kernel_fwd_bwd(kernel, q, k, v, dout, mask, scale):
+    out, lse = kernel.forward(q, k, v, mask, scale)
+    return [out, *kernel.backward(dout, q, k, v, out, lse, mask, scale)]
+
+
+@pytest.mark.parametrize("name,dtype", _params())
+@pytest.mark.parametrize("mask", [NONE, CAUSAL])
+def test_kernel_is_the_single_device_kernel(name, dtype, mask):
+    q, k, v, dout = (x.to(dtype) for x in _inputs(64, 64))
+    got = _kernel_fwd_bwd(BACKENDS[name], q, k, v, dout, mask, 64 ** -0.5)
+    reference = _reference(*_inputs(64, 64), is_causal=mask == CAUSAL)
+    limit = 1e-5 if dtype == torch.float32 else 2e-2
+    for x, ref in zip(got, reference):
+        assert x.dtype == dtype and rel_rms(x, ref) < limit
+
+
+@pytest.mark.parametrize("name,dtype", _params())
+def test_bottom_right_causal_where_offered(name, dtype):
+    kernel = BACKENDS[name]
+    if CAUSAL_BOTTOM_RIGHT not in kernel.masks:
+        pytest.skip(f"{name} does not offer {CAUSAL_BOTTOM_RIGHT}")
+    q, k, v, dout = _inputs(32, 96)
+    allowed = torch.ones(32, 96, dtype=torch.bool, device=DEVICE).tril(96 - 32)
+    reference = _reference(q, k, v, dout, allowed)
+    single = _reference(*(x.to(dtype) for x in (q, k, v, dout)), allowed)
+    got = _kernel_fwd_bwd(kernel, *(x.to(dtype) for x in (q, k, v, dout)), CAUSAL_BOTTOM_RIGHT,
+                          64 ** -0.5)
+    # Compared with SDPA's own masked kernel, which rounds differently from every block kernel (no
+    # split involved): within 1.5x of its error.
+    for x, s, ref in zip(got, single, reference):
+        assert rel_rms(x, ref) <= 1.5 * rel_rms(s, ref)
+    # Top-left would be wrong here: the check above must be able to fail.
+    top_left = _reference(q, k, v, dout, torch.ones_like(allowed).tril())
+    assert rel_rms(top_left[0], reference[0]) > 0.1
+
+
+@pytest.mark.parametrize("name,dtype", _params())
+def test_split_keys_merged_equal_whole_attention(name, dtype):
+    kernel, scale = BACKENDS[name], 64 ** -0.5
+    q64, k64, v64, dout64 = _inputs(64, 128, seed=1)
+    reference = _reference(q64, k64, v64, dout64)
+    q, k, v, dout = (x.to(dtype) for x in (q64, k64, v64, dout64))
+    single = _kernel_fwd_bwd(kernel, q, k, v, dout, NONE, scale)
+
+    halves = (slice(0, 64), slice(64, 128))
+    out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=DEVICE)
+    for i, cols in enumerate(halves):
+        (init_ if i == 0 else merge_)(out, lse, *kernel.forward(q, k[:, :, cols], v[:, :, cols],
+                                                                NONE, scale))
+    out = out.to(dtype)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=DEVICE) for x in (q, k, v))
+    for cols in halves:
+        dq_b, dk_b, dv_b = kernel.backward(dout, q, k[:, :, cols], v[:, :, cols], out, lse, NONE,
+                                           scale)
+        dq += dq_b
+        dk[:, :, cols] += dk_b
+        dv[:, :, cols] += dv_b
+    for name_, x, s, ref in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), single, reference):
+        assert rel_rms(x, ref) <= TOLERANCE[dtype] * rel_rms(s, ref), name_
+    # A wrong merge (plain average of the halves) lands far outside.
+    wrong = sum(kernel.forward(q, k[:, :, c], v[:, :, c], NONE, scale)[0].float() for c in halves)
+    assert rel_rms(wrong / 2, reference[0]) > 10 * TOLERANCE[dtype] * rel_rms(single[0],
+                                                                              reference[0])
