@@ -35,9 +35,9 @@ def check_qkv(q, k, v) -> None:
     if k.shape[3] != q.shape[3]:
         raise ValueError(f"key has head_dim {k.shape[3]} but query has {q.shape[3]}; they must "
                          "match")
-    if v.shape[:3] != k.shape[:3]:
+    if v.shape != k.shape:
         raise ValueError(f"value has shape {tuple(v.shape)} but key has {tuple(k.shape)}; they "
-                         "must agree on batch, heads and seq")
+                         "must be equal (K and V travel together)")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"key/value heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
 

@@ -44,7 +44,6 @@ class _CudaKernel(BlockKernel):
 
 class Cudnn(_CudaKernel):
     name = "cudnn"
-    supports_gqa = False
 
     def _op_available(self):
         return torch.backends.cudnn.is_available()
@@ -74,7 +73,8 @@ class Flash(_CudaKernel):
                                                          scale=scale)[:2]
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
-        empty = torch.empty(0, device=q.device)
+        # No varlen (cum_seq None) and no dropout (the RNG state is never read).
+        unused_rng = torch.empty(0, device=q.device)
         return _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal,
-            empty, empty, scale=scale)
+            dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
+            unused_rng, unused_rng, scale=scale)

@@ -1,4 +1,4 @@
-"""Contiguous layout: rank r holds global tokens [r*S, (r+1)*S).
+r"""Contiguous layout: rank r holds global tokens [r*S, (r+1)*S).
 
 Causal ring blocks, W = 4 (rows: rank holding q; columns: src of the K/V held this step):
 

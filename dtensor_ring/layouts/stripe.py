@@ -1,4 +1,4 @@
-"""Stripe layout: rank r holds global tokens r, r+W, r+2W, ... (local index i is global i*W + r).
+r"""Stripe layout: rank r holds global tokens r, r+W, r+2W, ... (local index i is global i*W + r).
 
 q row i (global iW + r) may see k row j of rank src (global jW + src) iff jW + src <= iW + r, that is
 j < i, or j == i and src <= r. So each causal ring step is one near-square block:

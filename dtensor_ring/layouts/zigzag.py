@@ -1,4 +1,4 @@
-"""Zigzag layout: the sequence is cut into 2W chunks of S/2 tokens; rank r holds chunks r and 2W-1-r.
+r"""Zigzag layout: the sequence is cut into 2W chunks of S/2 tokens; rank r holds chunks r and 2W-1-r.
 
 Rank r's local tokens are [chunk r | chunk 2W-1-r], so every rank holds one early and one late chunk
 and causal work is balanced. Causal ring blocks (a = first local half, b = second local half):

@@ -1,4 +1,4 @@
-"""Float64 references and error ratios shared by the numeric tests.
+"""Float64 references and error ratios, shared by the tests, the accuracy check job and the benchmarks.
 
 Tolerances are relative to the single-device kernel's own error on the same inputs (rel-RMS against
 float64): splitting the sequence may add little error on top of what the kernel already makes.
@@ -6,7 +6,7 @@ float64): splitting the sequence may add little error on top of what the kernel 
     kernel's own, but far less than it).
   * bf16 inputs with fp32 merge: <= 1.25x (each block's output and gradients come back rounded to
     bf16 before the fp32 merge/sum; that is the growth ``precision="exact"`` removes).
-A deliberately wrong schedule lands orders of magnitude outside these (tests/test_simulate.py).
+A deliberately wrong schedule lands far outside these (tests/test_simulate.py).
 """
 import torch
 import torch.nn.functional as F
