@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from .comm import ProcessGroupComm
+from . import ops
 from .kernels import get_kernel
 from .layouts import get_layout
 from .mesh import check_device, resolve_group
@@ -24,22 +24,6 @@ def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_ma
     return sched, dict(is_causal=is_causal, scale=scale, kernel=kernel)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, comm, schedule, options):
-        out, lse = schedule.forward(comm, q, k, v, **options)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.schedule, ctx.options = comm, schedule, options
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.schedule.backward(ctx.comm, dout.contiguous(), q, k, v, out, lse,
-                                           **ctx.options)
-        return dq, dk, dv, None, None, None
-
-
 def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=None,
                    precision="fp32", backend="auto", attn_mask=None, dropout_p=0.0):
     """Attention over the whole sequence from this rank's shards; returns this rank's output shard.
@@ -50,10 +34,12 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
                               precision=precision, backend=backend, attn_mask=attn_mask,
                               dropout_p=dropout_p)
-    comm = ProcessGroupComm(resolve_group(mesh))
+    group = resolve_group(mesh)
     check_device(mesh, q, "query")
     sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
-    return _RingAttention.apply(q, k, v, comm, sched, options)
+    out, _ = ops.ring_attention_fwd(q, k, v, group.group_name, schedule, is_causal,
+                                    options["scale"], options["kernel"].name, precision)
+    return out
 
 
 def _shard_all(x, layout, world):

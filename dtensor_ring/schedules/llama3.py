@@ -108,4 +108,5 @@ class Llama3:
                 dkv[:, :, groups[i - 1]] = pending_grad.wait()
             pending_grad = comm.reduce_scatter(to_rank_major(dkv_all, world))
         dkv[:, :, groups[-1]] = pending_grad.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        # copy=True: dk and dv must not alias (one buffer) even when no cast is needed.
+        return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)

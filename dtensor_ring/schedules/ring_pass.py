@@ -62,4 +62,5 @@ class RingPass:
             if pending_kv is not None:
                 kv = pending_kv.wait()
         dkv = pending_dkv.wait()  # this rank's own dK/dV, home after W hops
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        # copy=True: dk and dv must not alias (one buffer) even when no cast is needed.
+        return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)

@@ -1,0 +1,69 @@
+"""The ring schedules as ``torch.library`` custom ops, so Dynamo and AOTAutograd see single nodes.
+
+    dtensor_ring::ring_attention_fwd(q, k, v, group_name, schedule, is_causal, scale, backend,
+                                     precision) -> (out, lse)
+    dtensor_ring::ring_attention_bwd(dout, q, k, v, out, lse, group_name, ...) -> (dq, dk, dv)
+
+The process group travels by name (``ProcessGroup.group_name``), as in PyTorch's functional
+collectives, since an op schema cannot hold a Python object. Each op sits next to its fake
+implementation; autograd connects the two. ``ring_attention`` calls these ops; the compile pass
+(``dtensor_ring.passes``) finds them in the graph and expands them into explicit steps.
+"""
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .comm import ProcessGroupComm
+from .kernels import get_kernel
+from .schedules import get_schedule
+
+
+def _run(group_name, schedule, q, backend):
+    comm = ProcessGroupComm(_resolve_process_group(group_name))
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
+    return comm, get_schedule(schedule), kernel
+
+
+@torch.library.custom_op("dtensor_ring::ring_attention_fwd", mutates_args=())
+def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+                       schedule: str, is_causal: bool, scale: float, backend: str,
+                       precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    comm, sched, kernel = _run(group_name, schedule, q, backend)
+    return sched.forward(comm, q, k, v, is_causal=is_causal, scale=scale, kernel=kernel)
+
+
+@ring_attention_fwd.register_fake
+def _(q, k, v, group_name, schedule, is_causal, scale, backend, precision):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("dtensor_ring::ring_attention_bwd", mutates_args=())
+def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, group_name: str, schedule: str,
+                       is_causal: bool, scale: float, backend: str,
+                       precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    comm, sched, kernel = _run(group_name, schedule, q, backend)
+    return sched.backward(comm, dout.contiguous(), q, k, v, out, lse, is_causal=is_causal,
+                          scale=scale, kernel=kernel)
+
+
+@ring_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, group_name, schedule, is_causal, scale, backend, precision):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_OPTIONS = ("group_name", "schedule", "is_causal", "scale", "backend", "precision")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.options = options
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_bwd(dout, q, k, v, out, lse, *ctx.options)
+    return (dq, dk, dv) + (None,) * len(_OPTIONS)
+
+
+ring_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
