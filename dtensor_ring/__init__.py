@@ -1,5 +1,6 @@
 """dtensor_ring: ring attention (ring, zigzag, stripe, llama3) for sequence-sharded PyTorch models."""
 from .attention import ring_attention, simulate_ring
+from .dtensor import ContextParallel  # installs the DTensor SDPA rule
 from .kernels import BACKENDS
 from .layouts import LAYOUTS
 from .schedules import SCHEDULES
@@ -7,5 +8,6 @@ from .sharding import sequence_positions, shard_sequence, unshard_sequence
 
 SCHEDULE_LAYOUT = {name: schedule.layout.name for name, schedule in SCHEDULES.items()}
 
-__all__ = ["BACKENDS", "LAYOUTS", "SCHEDULES", "SCHEDULE_LAYOUT", "ring_attention",
-           "sequence_positions", "shard_sequence", "simulate_ring", "unshard_sequence"]
+__all__ = ["BACKENDS", "ContextParallel", "LAYOUTS", "SCHEDULES", "SCHEDULE_LAYOUT",
+           "ring_attention", "sequence_positions", "shard_sequence", "simulate_ring",
+           "unshard_sequence"]

@@ -1,0 +1,153 @@
+"""The SDPA rule itself: a DTensor custom-op handler for the SDPA aten ops, forward and backward.
+
+``install()`` (run when ``dtensor_ring`` is imported) adds ``sdpa_handler`` to DTensor's table of
+custom op handlers (``DTensor._op_dispatcher._custom_op_handlers``, the hook PyTorch's own loss
+parallel and context parallel use, present on torch 2.11 to 2.14) for the ops in ``sdpa_ops``.
+A sharding strategy could only choose placements; the ring needs its own local computation.
+
+For inputs that are not ours (``placements.plan_sdpa`` says None) the handler steps aside for the
+one call and DTensor runs the op exactly as it would without dtensor_ring. For ours:
+
+    forward:  local q/k/v -> schedule.forward on the sequence dimension's process group (or local
+              attention if key/value are replicated) -> out and the fp32 LSE, placed like the query
+    backward: local grad/q/k/v/out/LSE -> schedule.backward -> dq placed like q, dk/dv like k/v
+              (``Partial`` on the sequence dimension for replicated key/value)
+"""
+import math
+import threading
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from ..comm import ProcessGroupComm
+from ..kernels import get_kernel
+from ..layouts import get_layout
+from ..schedules import get_schedule
+from ..validation import check_options, check_qkv
+from .local_attention import local_backward, local_forward
+from .placements import SdpaPlan, plan_sdpa
+from .sdpa_ops import SDPA_OPS, bind
+
+_STEP_ASIDE = threading.RLock()
+
+
+def _handlers() -> dict:
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def _default_dispatch(op, args, kwargs):
+    """Run ``op`` through DTensor's own dispatch, as if this handler were not installed."""
+    with _STEP_ASIDE:
+        ours = _handlers().pop(op, None)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            if ours is not None:
+                _handlers()[op] = ours
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _wrap(local: torch.Tensor, mesh, placements, shape) -> DTensor:
+    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta),
+                   requires_grad=False)
+
+
+def _empty(mesh, device) -> DTensor:
+    return _wrap(torch.empty(0, device=device), mesh, [Replicate()] * mesh.ndim, (0,))
+
+
+def _local(x: DTensor) -> torch.Tensor:
+    return x._local_tensor
+
+
+def _options(plan: SdpaPlan, spec, a, lq):
+    mask = a.get(spec.mask_arg) if spec.mask_arg else None
+    if mask is not None:
+        raise ValueError(
+            f"{spec.mask_arg} is not supported with sequence-sharded SDPA (got a "
+            f"{type(mask).__name__} of shape {tuple(mask.shape)}; query placements "
+            f"{tuple(a['query'].placements)}): use is_causal=True or no mask")
+    if a.get("dropout_mask") is not None:
+        raise ValueError("dropout_mask is not supported with sequence-sharded SDPA; valid: None")
+    check_options(is_causal=a["is_causal"], scale=a["scale"], precision=plan.entry.precision,
+                  attn_mask=None, dropout_p=a["dropout_p"])
+    scale = 1.0 / math.sqrt(lq.shape[-1]) if a["scale"] is None else float(a["scale"])
+    kernel = get_kernel(plan.entry.backend, lq.device, lq.dtype, lq.shape[-1])
+    return dict(is_causal=a["is_causal"], scale=scale, kernel=kernel)
+
+
+def _local_layout_args(plan: SdpaPlan) -> dict:
+    return dict(layout=get_layout(plan.entry.layout), world=plan.world_size,
+                rank=plan.mesh.get_local_rank(plan.seq_mesh_dim))
+
+
+def _forward(plan, spec, a):
+    q, k, v = a["query"], a["key"], a["value"]
+    lq, lk, lv = (_local(x).contiguous() for x in (q, k, v))
+    if lk.shape[2] == lq.shape[2]:  # local attention may have a longer key/value
+        check_qkv(lq, lk, lv)
+    options = _options(plan, spec, a, lq)
+    if plan.ring:
+        comm = ProcessGroupComm(plan.mesh.get_group(plan.seq_mesh_dim))
+        out, lse = get_schedule(plan.entry.schedule).forward(comm, lq, lk, lv, **options)
+    else:
+        out, lse = local_forward(lq, lk, lv, **_local_layout_args(plan), **options)
+    out = _wrap(out, plan.mesh, q.placements, q.shape)
+    if spec.out_only:
+        return out
+    results = [out, _wrap(lse, plan.mesh, q.placements, q.shape[:3])]
+    for extra in spec.extras:
+        results.append(q.shape[2] if extra == "max" else _empty(plan.mesh, lq.device))
+    return tuple(results)
+
+
+def _backward(plan, spec, a):
+    q, k, v, out, lse = a["query"], a["key"], a["value"], a["out"], a["logsumexp"]
+    grad = a[spec.grad_arg]
+    if tuple(grad.placements) != tuple(out.placements):
+        grad = grad.redistribute(out.device_mesh, out.placements)
+    lq, lk, lv = (_local(x).contiguous() for x in (q, k, v))
+    options = _options(plan, spec, a, lq)
+    locals_ = (_local(grad).contiguous(), lq, lk, lv, _local(out).contiguous(), _local(lse))
+    if plan.ring:
+        comm = ProcessGroupComm(plan.mesh.get_group(plan.seq_mesh_dim))
+        dq, dk, dv = get_schedule(plan.entry.schedule).backward(comm, *locals_, **options)
+        kv_placements = k.placements
+    else:
+        dq, dk, dv = local_backward(*locals_, **_local_layout_args(plan), **options)
+        kv_placements = list(k.placements)
+        kv_placements[plan.seq_mesh_dim] = Partial()
+    return (_wrap(dq, plan.mesh, q.placements, q.shape),
+            _wrap(dk, plan.mesh, kv_placements, k.shape),
+            _wrap(dv, plan.mesh, kv_placements, v.shape),
+            *([None] * spec.extra_grads))
+
+
+def sdpa_handler(op, args, kwargs):
+    """DTensor custom-op handler for every op in ``SDPA_OPS``."""
+    spec = SDPA_OPS[op]
+    a = bind(op, args, kwargs)
+    plan = plan_sdpa(a["query"], a["key"], a["value"])
+    if plan is None:
+        return _default_dispatch(op, args, kwargs)
+    return _backward(plan, spec, a) if spec.backward else _forward(plan, spec, a)
+
+
+def install() -> None:
+    """Register ``sdpa_handler`` for the SDPA ops (idempotent; other handlers are left alone)."""
+    handlers = _handlers()
+    for op in SDPA_OPS:
+        handlers[op] = sdpa_handler
+
+
+def installed() -> bool:
+    return all(_handlers().get(op) is sdpa_handler for op in SDPA_OPS)

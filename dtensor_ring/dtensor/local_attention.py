@@ -1,0 +1,46 @@
+"""Attention of a query shard against key/value replicated in full: no communication at all.
+
+The query rows are rank r's tokens in the sequence dimension's layout; key/value are the whole
+sequence in natural order. Non-causal, the rows are independent: one kernel call. Causal, each
+rank's view of the keys is cut into the W layout shards and attended in ring order with the same
+blocks the ring would compute (``layouts/``), merged in fp32: the ring with the exchange replaced
+by indexing. Key/value gradients are this rank's share of the sum over ranks (DTensor ``Partial``).
+"""
+from ..kernels.base import NONE
+from ..layouts import Layout
+from ..schedules.base import add_grads_, attend_, block_grads, fp32_like
+
+
+def _shards(layout: Layout, local_len: int, rank: int, world: int, device):
+    """(src, positions of src's shard) in ring order, starting with this rank's own."""
+    for step in range(world):
+        src = (rank - step) % world
+        yield src, layout.positions(local_len, src, world).to(device)
+
+
+def local_forward(q, k, v, *, layout, rank, world, is_causal, scale, kernel):
+    if not is_causal:
+        return kernel.forward(q, k, v, NONE, scale)
+    local_len = q.shape[2]
+    out, lse = fp32_like(q), fp32_like(q, q.shape[:3])
+    for step, (src, index) in enumerate(_shards(layout, local_len, rank, world, q.device)):
+        ks, vs = k.index_select(2, index), v.index_select(2, index)
+        for block in layout.ring_blocks(local_len, rank, src, world, True):
+            attend_(kernel, q, ks, vs, block, scale, out, lse, fresh=step == 0)
+    return out.to(q.dtype), lse
+
+
+def local_backward(dout, q, k, v, out, lse, *, layout, rank, world, is_causal, scale, kernel):
+    if not is_causal:
+        return kernel.backward(dout, q, k, v, out, lse, NONE, scale)
+    local_len = q.shape[2]
+    dq, dk, dv = fp32_like(q), fp32_like(k), fp32_like(v)
+    for src, index in _shards(layout, local_len, rank, world, q.device):
+        ks, vs = k.index_select(2, index), v.index_select(2, index)
+        dks, dvs = fp32_like(ks), fp32_like(vs)
+        for block in layout.ring_blocks(local_len, rank, src, world, True):
+            grads = block_grads(kernel, dout, q, ks, vs, out, lse, block, scale)
+            add_grads_(block, grads, dq, dks, dvs)
+        dk.index_add_(2, index, dks)
+        dv.index_add_(2, index, dvs)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

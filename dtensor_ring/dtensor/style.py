@@ -1,0 +1,197 @@
+"""``ContextParallel``: a ParallelStyle that runs a model's attention as ring attention over a mesh.
+
+    model = parallelize_module(model, mesh["cp"], dr.ContextParallel(schedule="zigzag"))
+    # or in a plan dict, next to tensor parallel on another mesh dimension:
+    parallelize_module(model, mesh["tp"], tp_plan)
+    parallelize_module(model, mesh["cp"], {"": dr.ContextParallel(schedule="llama3")})
+
+Applied to a module, it
+
+1. registers the schedule for the mesh dimension (``registry.py``), at apply time and before every
+   forward;
+2. before every forward, shards each sequence input -- every tensor argument, or the ones named
+   in ``seq_inputs`` (token ids, position ids, labels, ...) -- along ``seq_dim`` in the schedule's
+   layout (``dr.shard_sequence``); all must have the same length there, divisible as the layout
+   needs; mask arguments (``attention_mask``, ``attn_mask``, ``mask`` tensors) are refused (not yet
+   supported);
+3. if the module's ``forward`` has a ``position_ids`` parameter and the caller gave none, passes the
+   global positions of the rank's tokens (``dr.sequence_positions``), so RoPE is right with no user
+   code. A model without such a parameter that derives positions from ``arange(seq_len)`` would see
+   local positions: give it a ``position_ids`` parameter (a warning says so at apply time);
+4. while the module runs, routes ``F.scaled_dot_product_attention`` on plain (local) tensors through
+   DTensor ``Shard(2)`` on the mesh, so the SDPA rule runs the ring; tensor-parallel heads stay
+   local to the TP rank and pass through.
+
+Outputs stay local (this rank's tokens, in the layout's order). Each rank's loss is the mean over
+its own tokens: with equal token counts the global loss is the mean over the ranks, and parameter
+gradients must be averaged over the mesh dimension like a data-parallel one (``sync_gradients``, or
+FSDP/DDP over the combined data x context mesh). Labels must already be aligned with the inputs
+(shifted by the caller), since a shift inside the model would cross shard boundaries.
+"""
+import inspect
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.overrides import TorchFunctionMode
+
+from ..layouts import get_layout
+from ..schedules import get_schedule
+from ..sharding import sequence_positions, shard_sequence
+from .placements import SEQ
+from .registry import set_sequence_schedule
+
+MASK_ARGS = ("attention_mask", "attn_mask", "mask")
+
+
+class _SequenceSdpa(TorchFunctionMode):
+    """Inside a context-parallel module: SDPA on local tensors -> SDPA on Shard(2) DTensors."""
+
+    def __init__(self, mesh: DeviceMesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self._sdpa(*args, **kwargs)
+
+    def _sdpa(self, query, key, value, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None:
+            raise ValueError(
+                "attn_mask is not supported inside a ContextParallel module (got a "
+                f"{type(attn_mask).__name__}); use is_causal=True or no mask")
+        qkv = (query, key, value)
+        if any(isinstance(x, DTensor) for x in qkv):
+            if all(isinstance(x, DTensor) for x in qkv) and any(
+                    isinstance(p, Shard) and p.dim % 4 == SEQ for p in query.placements):
+                return F.scaled_dot_product_attention(*qkv, None, *args, **kwargs)
+            raise ValueError(
+                "inside a ContextParallel module, SDPA inputs must be local tensors (this "
+                "rank's tokens) or DTensors sharded on the sequence (Shard(2)); got query "
+                f"{type(query).__name__} with placements {getattr(query, 'placements', None)}")
+        lifted = [DTensor.from_local(x, self.mesh, [Shard(SEQ)], run_check=False) for x in qkv]
+        out = F.scaled_dot_product_attention(*lifted, None, *args, **kwargs)
+        return out.to_local()
+
+
+class ContextParallel(ParallelStyle):
+    """Shard a module's sequence inputs in ``schedule``'s layout and run its SDPA as that schedule.
+
+    ``schedule``: one of ``dr.SCHEDULES``; ``seq_dim``: the sequence dim of the module's inputs
+    (1 for [batch, seq] token ids); ``precision``/``backend``: as in ``dr.ring_attention``;
+    ``seq_inputs``: names of the arguments to shard (default: every tensor argument);
+    ``position_ids``: the name of the forward parameter to fill with global positions (None: never).
+    """
+
+    def __init__(self, schedule: str = "zigzag", *, seq_dim: int = 1, precision: str = "fp32",
+                 backend: str = "auto", seq_inputs=None, position_ids: str | None = "position_ids"):
+        super().__init__()
+        self.layout = get_layout(get_schedule(schedule).layout.name)
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0:
+            raise ValueError(f"seq_dim={seq_dim!r} must be a non-negative int (the sequence dim "
+                             "of the module's inputs, e.g. 1 for [batch, seq])")
+        if seq_inputs is not None and (isinstance(seq_inputs, str) or not all(
+                isinstance(n, str) for n in seq_inputs)):
+            raise TypeError(f"seq_inputs must be None or a sequence of argument names; got "
+                            f"{seq_inputs!r}")
+        self.schedule, self.seq_dim = schedule, seq_dim
+        self.precision, self.backend = precision, backend
+        self.seq_inputs = None if seq_inputs is None else tuple(seq_inputs)
+        self.position_ids = position_ids
+
+    def _register(self, mesh):
+        set_sequence_schedule(mesh, self.schedule, precision=self.precision, backend=self.backend)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
+            raise ValueError(
+                f"ContextParallel needs the 1-D sequence mesh (e.g. mesh['cp']); got "
+                f"{device_mesh!r}")
+        self._register(device_mesh)
+        params = inspect.signature(module.forward).parameters
+        fill = self.position_ids is not None and self.position_ids in params
+        if self.position_ids is not None and not fill:
+            warnings.warn(
+                f"{type(module).__name__}.forward has no {self.position_ids!r} parameter, so "
+                "ContextParallel cannot give it global positions; a model that derives positions "
+                "from arange(seq_len) (RoPE) would be wrong", stacklevel=3)
+        modes = []
+
+        def pre_hook(mod, args, kwargs):
+            self._register(device_mesh)
+            args, kwargs = self._shard_inputs(list(params), args, kwargs, device_mesh, fill)
+            mode = _SequenceSdpa(device_mesh)
+            mode.__enter__()
+            modes.append(mode)
+            return args, kwargs
+
+        def post_hook(mod, args, kwargs, output):
+            if modes:
+                modes.pop().__exit__(None, None, None)
+            return output
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+        return module
+
+    def _shard_inputs(self, names, args, kwargs, mesh, fill):
+        named = dict(zip(names, args))
+        named.update(kwargs)
+        for name in MASK_ARGS:
+            if isinstance(named.get(name), torch.Tensor):
+                raise ValueError(f"{name} is not supported with ContextParallel yet (got a tensor "
+                                 f"of shape {tuple(named[name].shape)}); pass None / omit it")
+        chosen = [n for n, x in named.items() if isinstance(x, torch.Tensor)
+                  and (self.seq_inputs is None or n in self.seq_inputs)]
+        if self.seq_inputs is not None:
+            missing = [n for n in self.seq_inputs if n not in named]
+            if missing:
+                raise ValueError(f"seq_inputs names {missing}, which the call did not pass; "
+                                 f"arguments passed: {sorted(named)}")
+        seq_len = lead = None
+        for n in chosen:
+            x = named[n]
+            if x.dim() <= self.seq_dim:
+                raise ValueError(
+                    f"input {n!r} of shape {tuple(x.shape)} has no dim seq_dim={self.seq_dim}; "
+                    "name the sequence inputs with seq_inputs=(...)")
+            if seq_len is None:
+                seq_len, lead = x.shape[self.seq_dim], tuple(x.shape[:self.seq_dim])
+                world = dist.get_world_size(mesh.get_group())
+                self.layout.check_global_len(seq_len, world, f"{n}.shape[{self.seq_dim}]")
+            elif x.shape[self.seq_dim] != seq_len:
+                raise ValueError(
+                    f"input {n!r} has length {x.shape[self.seq_dim]} on seq_dim={self.seq_dim} "
+                    f"but {chosen[0]!r} has {seq_len}; all sequence inputs must match")
+            named[n] = shard_sequence(x, mesh, dim=self.seq_dim, layout=self.layout.name)
+        if fill and named.get(self.position_ids) is None and seq_len is not None:
+            device = named[chosen[0]].device
+            positions = sequence_positions(seq_len, mesh, layout=self.layout.name, device=device)
+            named[self.position_ids] = positions.expand(*lead, positions.shape[0])
+        positional = tuple(named.pop(n) for n in names[:len(args)])
+        return positional, named
+
+
+@torch.no_grad()
+def sync_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Average every parameter gradient over ``mesh`` (the context-parallel dimension), in fp32.
+
+    Each rank's gradient comes from its own tokens only; with equal token counts the full-sequence
+    gradient is the mean over the ranks. DTensor parameters (e.g. tensor parallel on another mesh
+    dimension) are averaged shard by shard.
+    """
+    group = mesh.get_group()
+    for param in module.parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+        total = grad.float()
+        dist.all_reduce(total, group=group)
+        grad.copy_(total / dist.get_world_size(group))

@@ -1,0 +1,66 @@
+"""Helpers for the DTensor rule and ContextParallel tests: lifting local shards to DTensors, cutting
+a whole tensor into this rank's shard for any (tp, cp) placement, recording collectives."""
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dtensor_ring.layouts import get_layout
+
+ALL_GATHERS = ("allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_",
+               "allgather_coalesced_")
+
+
+def local_shard(x, mesh, placements, layout):
+    """This rank's shard of the whole tensor ``x`` under ``placements`` on ``mesh``, where a
+    Shard(2) (sequence) follows ``layout`` and any other Shard splits evenly in order."""
+    for index, placement in enumerate(placements):
+        if not isinstance(placement, Shard):
+            continue
+        size, rank = mesh.size(index), mesh.get_local_rank(index)
+        if placement.dim == 2:
+            positions = get_layout(layout).positions(x.shape[2] // size, rank, size)
+            x = x.index_select(2, positions)
+        else:
+            x = x.chunk(size, dim=placement.dim)[rank]
+    return x
+
+
+def dtensor_sdpa(mesh, placements, kv_placements=None, **kwargs):
+    """fn(q, k, v) on local leaves -> SDPA on DTensors placed so -> local output."""
+    kv_placements = placements if kv_placements is None else kv_placements
+
+    def fn(q, k, v):
+        q = DTensor.from_local(q, mesh, placements, run_check=False)
+        k, v = (DTensor.from_local(x, mesh, kv_placements, run_check=False) for x in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+        assert tuple(out.placements) == tuple(placements), out.placements
+        return out.to_local()
+    return fn
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Every c10d op that runs (after DTensor has turned its redistributions into them), with the
+    element count of its input, so a test can tell *what* was all-gathered."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func.namespace == "c10d":
+            name = func._overloadpacket.__name__
+            sizes = [a.numel() for a in args if isinstance(a, torch.Tensor)]
+            sizes += [t.numel() for a in args if isinstance(a, (list, tuple)) for t in a
+                      if isinstance(t, torch.Tensor)]
+            self.calls.append((name, sizes))
+        return func(*args, **(kwargs or {}))
+
+    def gathered_elements(self):
+        """Elements all-gathered (each call's smallest tensor argument: the local input)."""
+        return sum(min(sizes) for name, sizes in self.calls if name in ALL_GATHERS)
+
+    def names(self):
+        return [name for name, _ in self.calls]
