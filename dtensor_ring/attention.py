@@ -19,7 +19,7 @@ def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_ma
     check_options(is_causal=is_causal, scale=scale, precision=precision, attn_mask=attn_mask,
                   dropout_p=dropout_p)
     sched = get_schedule(schedule)
-    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], precision)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return sched, dict(is_causal=is_causal, scale=scale, kernel=kernel)
 
@@ -39,7 +39,7 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
     out, _ = ops.ring_attention_fwd(q, k, v, group.group_name, schedule, is_causal,
                                     options["scale"], options["kernel"].name, precision)
-    return out
+    return out.to(q.dtype)  # exact kernels leave the merged out in fp32 (kept for the backward)
 
 
 def _shard_all(x, layout, world):
@@ -59,7 +59,8 @@ class _SimulatedRing(torch.autograd.Function):
             lambda comm: schedule.forward(comm, *(s[comm.rank] for s in shards), **options))
         ctx.shards, ctx.results = shards, results
         ctx.world, ctx.schedule, ctx.options = world, schedule, options
-        return _unshard_all([out for out, _ in results], schedule.layout, world)
+        # .to: exact kernels leave the merged out in fp32 (kept in ctx.results for the backward)
+        return _unshard_all([out.to(q.dtype) for out, _ in results], schedule.layout, world)
 
     @staticmethod
     def backward(ctx, dout):

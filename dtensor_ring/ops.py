@@ -1,7 +1,7 @@
 """The ring schedules as ``torch.library`` custom ops, so Dynamo and AOTAutograd see single nodes.
 
     dtensor_ring::ring_attention_fwd(q, k, v, group_name, schedule, is_causal, scale, backend,
-                                     precision) -> (out, lse)
+                                     precision) -> (out, lse)     out: fp32 if precision="exact"
     dtensor_ring::ring_attention_bwd(dout, q, k, v, out, lse, group_name, ...) -> (dq, dk, dv)
 
 The process group travels by name (``ProcessGroup.group_name``), as in PyTorch's functional
@@ -17,9 +17,9 @@ from .kernels import get_kernel
 from .schedules import get_schedule
 
 
-def _run(group_name, schedule, q, backend):
+def _run(group_name, schedule, q, backend, precision):
     comm = ProcessGroupComm(_resolve_process_group(group_name))
-    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], precision)
     return comm, get_schedule(schedule), kernel
 
 
@@ -27,13 +27,15 @@ def _run(group_name, schedule, q, backend):
 def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
                        schedule: str, is_causal: bool, scale: float, backend: str,
                        precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    comm, sched, kernel = _run(group_name, schedule, q, backend)
+    comm, sched, kernel = _run(group_name, schedule, q, backend, precision)
     return sched.forward(comm, q, k, v, is_causal=is_causal, scale=scale, kernel=kernel)
 
 
 @ring_attention_fwd.register_fake
 def _(q, k, v, group_name, schedule, is_causal, scale, backend, precision):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # Exact mode keeps the merged out in fp32 (its backward reads it); callers cast it.
+    out_dtype = torch.float32 if precision == "exact" else q.dtype
+    return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("dtensor_ring::ring_attention_bwd", mutates_args=())
@@ -41,7 +43,7 @@ def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, group_name: str, schedule: str,
                        is_causal: bool, scale: float, backend: str,
                        precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    comm, sched, kernel = _run(group_name, schedule, q, backend)
+    comm, sched, kernel = _run(group_name, schedule, q, backend, precision)
     return sched.backward(comm, dout.contiguous(), q, k, v, out, lse, is_causal=is_causal,
                           scale=scale, kernel=kernel)
 

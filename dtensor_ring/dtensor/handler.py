@@ -20,10 +20,9 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..comm import ProcessGroupComm
+from .. import ops
 from ..kernels import get_kernel
 from ..layouts import get_layout
-from ..schedules import get_schedule
 from ..validation import check_options, check_qkv
 from .local_attention import local_backward, local_forward
 from .placements import SdpaPlan, plan_sdpa
@@ -81,8 +80,16 @@ def _options(plan: SdpaPlan, spec, a, lq):
     check_options(is_causal=a["is_causal"], scale=a["scale"], precision=plan.entry.precision,
                   attn_mask=None, dropout_p=a["dropout_p"])
     scale = 1.0 / math.sqrt(lq.shape[-1]) if a["scale"] is None else float(a["scale"])
-    kernel = get_kernel(plan.entry.backend, lq.device, lq.dtype, lq.shape[-1])
+    kernel = get_kernel(plan.entry.backend, lq.device, lq.dtype, lq.shape[-1],
+                        plan.entry.precision)
     return dict(is_causal=a["is_causal"], scale=scale, kernel=kernel)
+
+
+def _op_options(plan: SdpaPlan, a, options) -> tuple:
+    """The trailing arguments of ``ops.ring_attention_fwd/bwd``: one graph node under compile."""
+    group = plan.mesh.get_group(plan.seq_mesh_dim)
+    return (group.group_name, plan.entry.schedule, a["is_causal"], options["scale"],
+            options["kernel"].name, plan.entry.precision)
 
 
 def _local_layout_args(plan: SdpaPlan) -> dict:
@@ -97,11 +104,12 @@ def _forward(plan, spec, a):
         check_qkv(lq, lk, lv)
     options = _options(plan, spec, a, lq)
     if plan.ring:
-        comm = ProcessGroupComm(plan.mesh.get_group(plan.seq_mesh_dim))
-        out, lse = get_schedule(plan.entry.schedule).forward(comm, lq, lk, lv, **options)
+        out, lse = ops.ring_attention_fwd(lq, lk, lv, *_op_options(plan, a, options))
     else:
         out, lse = local_forward(lq, lk, lv, **_local_layout_args(plan), **options)
-    out = _wrap(out, plan.mesh, q.placements, q.shape)
+    # Exact kernels return an fp32 out; SDPA's op returns the input dtype (and its backward
+    # receives that, so exact mode here computes rowsum(dO * O) from the rounded out).
+    out = _wrap(out.to(lq.dtype), plan.mesh, q.placements, q.shape)
     if spec.out_only:
         return out
     results = [out, _wrap(lse, plan.mesh, q.placements, q.shape[:3])]
@@ -119,8 +127,7 @@ def _backward(plan, spec, a):
     options = _options(plan, spec, a, lq)
     locals_ = (_local(grad).contiguous(), lq, lk, lv, _local(out).contiguous(), _local(lse))
     if plan.ring:
-        comm = ProcessGroupComm(plan.mesh.get_group(plan.seq_mesh_dim))
-        dq, dk, dv = get_schedule(plan.entry.schedule).backward(comm, *locals_, **options)
+        dq, dk, dv = ops.ring_attention_bwd(*locals_, *_op_options(plan, a, options))
         kv_placements = k.placements
     else:
         dq, dk, dv = local_backward(*locals_, **_local_layout_args(plan), **options)

@@ -32,7 +32,8 @@ def local_forward(q, k, v, *, layout, rank, world, is_causal, scale, kernel):
 
 def local_backward(dout, q, k, v, out, lse, *, layout, rank, world, is_causal, scale, kernel):
     if not is_causal:
-        return kernel.backward(dout, q, k, v, out, lse, NONE, scale)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, NONE, scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)  # exact kernels give fp32
     local_len = q.shape[2]
     dq, dk, dv = fp32_like(q), fp32_like(k), fp32_like(v)
     for src, index in _shards(layout, local_len, rank, world, q.device):

@@ -18,9 +18,9 @@ Applied to a module, it
    global positions of the rank's tokens (``dr.sequence_positions``), so RoPE is right with no user
    code. A model without such a parameter that derives positions from ``arange(seq_len)`` would see
    local positions: give it a ``position_ids`` parameter (a warning says so at apply time);
-4. while the module runs, routes ``F.scaled_dot_product_attention`` on plain (local) tensors through
-   DTensor ``Shard(2)`` on the mesh, so the SDPA rule runs the ring; tensor-parallel heads stay
-   local to the TP rank and pass through.
+4. while the module runs, sends ``F.scaled_dot_product_attention`` on plain (local) tensors to
+   ``ring_attention`` on the mesh (SDPA on sequence-sharded DTensors still goes through the SDPA
+   rule); tensor-parallel heads stay local to the TP rank and pass through.
 
 Outputs stay local (this rank's tokens, in the layout's order). Each rank's loss is the mean over
 its own tokens: with equal token counts the global loss is the mean over the ranks, and parameter
@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
+from ..attention import ring_attention
 from ..layouts import get_layout
 from ..schedules import get_schedule
 from ..sharding import sequence_positions, shard_sequence
@@ -50,11 +51,16 @@ MASK_ARGS = ("attention_mask", "attn_mask", "mask")
 
 
 class _SequenceSdpa(TorchFunctionMode):
-    """Inside a context-parallel module: SDPA on local tensors -> SDPA on Shard(2) DTensors."""
+    """Inside a context-parallel module: SDPA on local tensors (this rank's tokens) -> the ring.
 
-    def __init__(self, mesh: DeviceMesh):
+    Local tensors go straight to ``ring_attention`` (one custom-op node under torch.compile, GQA
+    without repeating heads on every backend); DTensors sharded on the sequence go through SDPA
+    and so through the DTensor rule.
+    """
+
+    def __init__(self, mesh: DeviceMesh, style: "ContextParallel"):
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.style = mesh, style
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -62,7 +68,8 @@ class _SequenceSdpa(TorchFunctionMode):
             return func(*args, **kwargs)
         return self._sdpa(*args, **kwargs)
 
-    def _sdpa(self, query, key, value, attn_mask=None, *args, **kwargs):
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
         if attn_mask is not None:
             raise ValueError(
                 "attn_mask is not supported inside a ContextParallel module (got a "
@@ -71,14 +78,15 @@ class _SequenceSdpa(TorchFunctionMode):
         if any(isinstance(x, DTensor) for x in qkv):
             if all(isinstance(x, DTensor) for x in qkv) and any(
                     isinstance(p, Shard) and p.dim % 4 == SEQ for p in query.placements):
-                return F.scaled_dot_product_attention(*qkv, None, *args, **kwargs)
+                return F.scaled_dot_product_attention(*qkv, None, dropout_p, is_causal, scale,
+                                                      enable_gqa=enable_gqa)
             raise ValueError(
                 "inside a ContextParallel module, SDPA inputs must be local tensors (this "
                 "rank's tokens) or DTensors sharded on the sequence (Shard(2)); got query "
                 f"{type(query).__name__} with placements {getattr(query, 'placements', None)}")
-        lifted = [DTensor.from_local(x, self.mesh, [Shard(SEQ)], run_check=False) for x in qkv]
-        out = F.scaled_dot_product_attention(*lifted, None, *args, **kwargs)
-        return out.to_local()
+        return ring_attention(query, key, value, mesh=self.mesh, schedule=self.style.schedule,
+                              is_causal=is_causal, scale=scale, precision=self.style.precision,
+                              backend=self.style.backend, dropout_p=dropout_p)
 
 
 class ContextParallel(ParallelStyle):
@@ -127,7 +135,7 @@ class ContextParallel(ParallelStyle):
         def pre_hook(mod, args, kwargs):
             self._register(device_mesh)
             args, kwargs = self._shard_inputs(list(params), args, kwargs, device_mesh, fill)
-            mode = _SequenceSdpa(device_mesh)
+            mode = _SequenceSdpa(device_mesh, self)
             mode.__enter__()
             modes.append(mode)
             return args, kwargs

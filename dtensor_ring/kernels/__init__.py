@@ -1,7 +1,13 @@
-"""Block kernels and the registry ``backend=`` picks from.
+"""Block kernels and the registries ``backend=`` picks from, one per ``precision``.
 
-``"auto"`` takes the first available in ``AUTO_ORDER``: on CUDA cuDNN (fastest on Hopper), then
-flash-attn, then PyTorch's flash, then the fp32 math fallback; on CPU PyTorch's CPU flash kernel.
+``precision="fp32"``: ``BACKENDS``; ``"auto"`` takes the first available in ``AUTO_ORDER``: on CUDA
+cuDNN (fastest on Hopper), then flash-attn, then PyTorch's flash, then the fp32 math fallback; on
+CPU PyTorch's CPU flash kernel.
+
+``precision="exact"``: ``EXACT_BACKENDS`` (kernels with fp32 out and gradients, ``exact = True``);
+``"auto"`` takes the first available in ``EXACT_AUTO_ORDER``: on CPU the CPU flash kernel in fp32,
+on CUDA the Triton kernel (bf16/fp16, head dim <= 128), else the fp32 math fallback. Exact kernels
+have their own names (``*_exact``), so a resolved kernel name alone says which precision it is.
 """
 import torch
 
@@ -10,29 +16,49 @@ from .cpu_flash import CpuFlash
 from .cuda import Cudnn, Flash
 from .flash_attn import FlashAttn
 from .math import Math
+from .triton_exact import TritonExact
+from .upcast import cpu_flash_exact, math_exact
 
 BACKENDS: dict[str, BlockKernel] = {
     kernel.name: kernel for kernel in (CpuFlash(), Cudnn(), FlashAttn(), Flash(), Math())}
 AUTO_ORDER = ("cpu_flash", "cudnn", "flash_attn", "flash", "math")
 
+EXACT_BACKENDS: dict[str, BlockKernel] = {
+    kernel.name: kernel for kernel in (cpu_flash_exact(), TritonExact(), math_exact())}
+EXACT_AUTO_ORDER = ("cpu_flash_exact", "triton_exact", "math_exact")
 
-def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> BlockKernel:
-    """The kernel named ``backend`` (or the first available for ``"auto"``); ValueError if unusable."""
+_REGISTRIES = {"fp32": (BACKENDS, AUTO_ORDER), "exact": (EXACT_BACKENDS, EXACT_AUTO_ORDER)}
+
+
+def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+               precision: str = "fp32") -> BlockKernel:
+    """The kernel named ``backend``, or for ``"auto"`` the first available of ``precision``'s
+    registry; ValueError if unusable.
+
+    A name means one kernel, so an exact kernel's name resolves whatever ``precision`` says (that is
+    how a resolved kernel travels by name, e.g. through ``ops.py``); ``precision="exact"`` refuses
+    the fp32 kernels, which round each block to 16 bits.
+    """
+    if precision not in _REGISTRIES:
+        raise ValueError(f"precision={precision!r} is not supported; valid: {list(_REGISTRIES)}")
+    backends, order = _REGISTRIES[precision]
     if backend == "auto":
-        for name in AUTO_ORDER:
-            if BACKENDS[name].available(device, dtype, head_dim):
-                return BACKENDS[name]
+        for name in order:
+            if backends[name].available(device, dtype, head_dim):
+                return backends[name]
         raise ValueError(f"no block kernel supports device={device}, dtype={dtype}, "
-                         f"head_dim={head_dim}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; valid backends: "
-                         f"{['auto', *sorted(BACKENDS)]}")
-    kernel = BACKENDS[backend]
+                         f"head_dim={head_dim}, precision={precision!r}")
+    known = backends if precision == "exact" else {**BACKENDS, **EXACT_BACKENDS}
+    if backend not in known:
+        hint = " (an fp32 kernel: it rounds each block)" if backend in BACKENDS else ""
+        raise ValueError(f"backend={backend!r} is not known{hint}; valid backends with "
+                         f"precision={precision!r}: {['auto', *sorted(known)]}")
+    kernel = known[backend]
     if not kernel.available(device, dtype, head_dim):
-        usable = [n for n in AUTO_ORDER if BACKENDS[n].available(device, dtype, head_dim)]
+        usable = [n for n in order if backends[n].available(device, dtype, head_dim)]
         raise ValueError(f"backend={backend!r} cannot run on device={device}, dtype={dtype}, "
                          f"head_dim={head_dim}; usable here: {usable}")
     return kernel
 
 
-__all__ = ["BACKENDS", "BlockKernel", "get_kernel"]
+__all__ = ["BACKENDS", "BlockKernel", "EXACT_BACKENDS", "get_kernel"]

@@ -10,6 +10,10 @@ k rows 0..i; ``"causal_bottom_right"``, Sq <= Sk, q row i sees k rows 0..i + Sk 
 sees every key), offered only by kernels that list it in ``masks``. In backward,
 ``out`` and ``lse`` are the *merged* results over all keys, so each block's gradients are exactly its
 share of the full attention's gradients. q is [B, Hq, S, D]; k and v may have Hkv heads, Hq % Hkv == 0.
+
+Exact kernels (``exact = True``, ``precision="exact"``) differ only in dtypes: ``forward`` returns
+``out`` in fp32 (unrounded), ``backward`` takes that fp32 merged ``out`` and returns fp32 dq, dk, dv,
+so the schedules' fp32 merge and sums see no 16-bit rounding until the final cast.
 """
 import torch
 
@@ -19,6 +23,7 @@ MASKS = (NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT)
 
 class BlockKernel:
     name: str = ""
+    exact = False
     supports_gqa = True
     masks = (NONE, CAUSAL)
 

@@ -28,5 +28,11 @@ def add_grads_(block: Block, grads, dq, dk, dv):
     dv[:, :, block.k] += dv_b
 
 
+def result_out(out: torch.Tensor, q: torch.Tensor, kernel: BlockKernel) -> torch.Tensor:
+    """The merged fp32 ``out`` as a schedule returns it: cast to q's dtype, except for an exact
+    kernel, whose backward takes the fp32 out (D = rowsum(dO * O)); the caller casts that one."""
+    return out if kernel.exact else out.to(q.dtype)
+
+
 def fp32_like(x: torch.Tensor, shape=None) -> torch.Tensor:
     return x.new_zeros(x.shape if shape is None else shape, dtype=torch.float32)

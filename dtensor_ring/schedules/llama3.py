@@ -24,7 +24,7 @@ import torch
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block
-from .base import add_grads_, attend_, block_grads, fp32_like
+from .base import add_grads_, attend_, block_grads, fp32_like, result_out
 
 
 def head_groups(kv_heads: int, world_size: int) -> list[slice]:
@@ -84,7 +84,7 @@ class Llama3:
             out_h, lse_h = out[:, q_heads], lse[:, q_heads]
             for block, fresh in blocks:
                 attend_(kernel, q[:, q_heads], k_all, v_all, block, scale, out_h, lse_h, fresh)
-        return out.to(q.dtype), lse
+        return result_out(out, q, kernel), lse
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
         world = comm.world_size

@@ -16,7 +16,7 @@ import torch
 
 from ..comm import Communicator
 from ..layouts import Layout
-from .base import add_grads_, attend_, block_grads, fp32_like
+from .base import add_grads_, attend_, block_grads, fp32_like, result_out
 
 
 class RingPass:
@@ -42,7 +42,7 @@ class RingPass:
                 attend_(kernel, q, kv[0], kv[1], block, scale, out, lse, fresh=step == 0)
             if pending is not None:
                 kv = pending.wait()
-        return out.to(q.dtype), lse
+        return result_out(out, q, kernel), lse
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
         world, local_len = comm.world_size, q.shape[2]

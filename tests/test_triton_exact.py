@@ -1,0 +1,141 @@
+"""The Triton exact kernels against float64: on a GPU compiled, on CPU under TRITON_INTERPRET=1
+(set here before the kernels are first imported; skipped where triton is not installed).
+
+Tolerance: each of out, dq, dk, dv within LIMIT x the rel-RMS of the single-device SDPA kernel in
+the same dtype on the same inputs. On a GPU LIMIT = 1.1: the Triton kernel rounds P and dS to the
+input dtype for its products as cuDNN/flash do, and returns fp32, so it should not be worse. On CPU
+LIMIT = 1.6: PyTorch's CPU kernel keeps dS in fp32, so its bf16 dq/dk are up to ~1.4x more accurate
+than any FlashAttention-style kernel's (1.50x measured). A 1% error, or a top-left instead of bottom-right mask,
+fails. Split keys merged in fp32 must give the whole attention within 1.02x of the unsplit exact
+kernel's error, and the schedules at W = 2 within 1.02x of W = 1.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import dtensor_ring as dr  # noqa: E402
+from dtensor_ring.kernels import EXACT_BACKENDS  # noqa: E402
+from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE  # noqa: E402
+from dtensor_ring.merge import init_, merge_  # noqa: E402
+from dtensor_ring.numerics import rel_rms  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNEL = EXACT_BACKENDS["triton_exact"]
+HEAD_DIMS = (64, 80, 128) if DEVICE.type == "cuda" else (16, 80)
+SIZE = 256 if DEVICE.type == "cuda" else 1  # lengths multiply by this on a GPU
+LIMIT = 1.1 if DEVICE.type == "cuda" else 1.6
+
+
+def _inputs(sq, sk, head_dim, dtype, q_heads=4, kv_heads=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(1, q_heads, sq, head_dim), (1, kv_heads, sk, head_dim), (1, kv_heads, sk, head_dim),
+              (1, q_heads, sq, head_dim)]
+    return [torch.randn(s, generator=gen).to(dtype).to(DEVICE) for s in shapes]
+
+
+def _allowed(mask, sq, sk):
+    if mask == NONE:
+        return None
+    diagonal = 0 if mask == CAUSAL else sk - sq
+    return torch.ones(sq, sk, dtype=torch.bool, device=DEVICE).tril(diagonal)
+
+
+def _sdpa(q, k, v, dout, allowed):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _triton(q, k, v, dout, mask, scale):
+    out, lse = KERNEL.forward(q, k, v, mask, scale)
+    return [out, *KERNEL.backward(dout, q, k, v, out, lse, mask, scale)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("mask,sq,sk", [(NONE, 20, 37), (CAUSAL, 33, 33),
+                                        (CAUSAL_BOTTOM_RIGHT, 19, 40)])
+def test_triton_exact_kernel_against_float64(dtype, head_dim, mask, sq, sk):
+    if DEVICE.type == "cpu" and (dtype == torch.float16) != (head_dim == 80):
+        pytest.skip("interpreter: one dtype per head dim keeps the CPU run short")
+    sq, sk = sq * SIZE, sk * SIZE
+    q, k, v, dout = _inputs(sq, sk, head_dim, dtype)
+    allowed = _allowed(mask, sq, sk)
+    reference = _sdpa(*(x.double() for x in (q, k, v, dout)), allowed)
+    single = _sdpa(q, k, v, dout, allowed)
+    got = _triton(q, k, v, dout, mask, head_dim ** -0.5)
+    for name, x, s, ref in zip("out dq dk dv".split(), got, single, reference):
+        assert x.dtype == torch.float32, name
+        assert rel_rms(x, ref) <= LIMIT * rel_rms(s, ref), (name, rel_rms(x, ref), rel_rms(s, ref))
+        assert rel_rms(x * 1.01, ref) > LIMIT * rel_rms(s, ref), name
+    if mask == CAUSAL_BOTTOM_RIGHT:
+        top_left = _sdpa(q, k, v, dout, torch.ones_like(allowed).tril())
+        assert rel_rms(top_left[0], reference[0]) > 100 * rel_rms(got[0], reference[0])
+
+
+def test_split_keys_merged_equal_whole_attention():
+    """A strided view of K/V (no copy) in two halves, merged in fp32, each half's backward taking
+    the fp32 merged out: the whole attention within 1.02x of the unsplit exact kernel's error."""
+    sq, sk, head_dim, scale = 32 * SIZE, 64 * SIZE, 64 if DEVICE.type == "cuda" else 16, 0.3
+    q, k, v, dout = _inputs(sq, sk, head_dim, torch.bfloat16, seed=1)
+    reference = _sdpa_scaled(q, k, v, dout, scale)
+    whole = _triton(q, k, v, dout, NONE, scale)
+    halves = (slice(0, sk // 2), slice(sk // 2, sk))
+    out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=DEVICE)
+    for i, cols in enumerate(halves):
+        (init_ if i == 0 else merge_)(out, lse, *KERNEL.forward(q, k[:, :, cols], v[:, :, cols],
+                                                                NONE, scale))
+    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=DEVICE) for x in (q, k, v))
+    for cols in halves:
+        dq_b, dk_b, dv_b = KERNEL.backward(dout, q, k[:, :, cols], v[:, :, cols], out, lse, NONE,
+                                           scale)
+        dq += dq_b
+        dk[:, :, cols] += dk_b
+        dv[:, :, cols] += dv_b
+    for name, x, w, ref in zip("out dq dk dv".split(), (out, dq, dk, dv), whole, reference):
+        assert rel_rms(x, ref) <= 1.02 * rel_rms(w, ref), name
+    wrong = (KERNEL.forward(q, k[:, :, halves[0]], v[:, :, halves[0]], NONE, scale)[0] + out) / 2
+    assert rel_rms(wrong, reference[0]) > 10 * rel_rms(whole[0], reference[0])
+
+
+def _sdpa_scaled(q, k, v, dout, scale):
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    out.backward(dout.double())
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("schedule", ["zigzag", "stripe"])
+def test_simulated_ring_with_the_triton_kernel(schedule):
+    """zigzag (half blocks) and stripe (shifted, strided views) at W = 2 through the schedules:
+    within 1.02x of the same kernel at W = 1."""
+    world, head_dim = 2, 64 if DEVICE.type == "cuda" else 16
+    q, k, v, dout = _inputs(32 * SIZE, 32 * SIZE, head_dim, torch.bfloat16, q_heads=2,
+                            kv_heads=1, seed=2)
+    reference = _sdpa(*(x.double() for x in (q, k, v, dout)), _allowed(CAUSAL, q.shape[2],
+                                                                        q.shape[2]))
+
+    def run(w):
+        return _sdpa_like(lambda a, b, c: dr.simulate_ring(
+            a, b, c, world_size=w, schedule=schedule, is_causal=True, precision="exact",
+            backend="triton_exact"), q, k, v, dout)
+
+    single, split = run(1), run(world)
+    for name, x, s, ref in zip("out dq dk dv".split(), split, single, reference):
+        assert x.dtype == torch.bfloat16
+        assert rel_rms(x, ref) <= 1.02 * rel_rms(s, ref), name
+
+
+def _sdpa_like(fn, q, k, v, dout):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
