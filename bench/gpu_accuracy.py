@@ -2,10 +2,12 @@
 
     torchrun --nproc-per-node=4 bench/gpu_accuracy.py --out results.json
 
-For each backend (cudnn, flash) and schedule: rel-RMS and max-abs error of out, dq, dk, dv over the
-whole sequence against a float64 reference, each as a ratio to the same backend's single-GPU kernel
-on the whole sequence (1.00 = splitting added no error); and forward / forward+backward time (CUDA
-events, median of --iters after warm-up, max over ranks), with the single-GPU time / W as the ideal.
+For each block kernel (cudnn and flash in fp32 mode, triton_exact in exact mode) and schedule:
+rel-RMS and max-abs error of out, dq, dk, dv over the whole sequence against a float64 reference,
+each as a ratio to a single-GPU SDPA kernel on the whole sequence (the same kernel for cudnn/flash;
+cuDNN, the fastest, for exact mode), 1.00 = splitting added no error; and forward / forward+backward
+time (CUDA events, median of --iters after warm-up, max over ranks), with that single-GPU kernel's
+time / W as the ideal.
 """
 import argparse
 import json
@@ -20,7 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
 
-SDPA_BACKEND = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+# (our backend, precision, the single-GPU SDPA kernel it is compared with)
+RUNS = [("cudnn", "fp32", SDPBackend.CUDNN_ATTENTION), ("flash", "fp32", SDPBackend.FLASH_ATTENTION),
+        ("triton_exact", "exact", SDPBackend.CUDNN_ATTENTION)]
 NAMES = ("out", "dq", "dk", "dv")
 
 
@@ -79,7 +83,7 @@ def main():
             a, b, c, is_causal=True, enable_gqa=gqa), q64, k64, v64, dout64)
     q, k, v, dout = (x.bfloat16() for x in (q64, k64, v64, dout64))
     rows = []
-    for backend, sdpa_backend in SDPA_BACKEND.items():
+    for backend, precision, sdpa_backend in RUNS:
         def single(a, b, c, sdpa_backend=sdpa_backend):
             with sdpa_kernel(sdpa_backend):
                 return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
@@ -87,7 +91,7 @@ def main():
             single_err = errors(fwd_bwd(single, q, k, v, dout), reference)
         except RuntimeError as error:  # e.g. a kernel that does not take GQA on this torch
             if rank == 0:
-                print(f"single-GPU {backend} unavailable: {error}".splitlines()[0])
+                print(f"single-GPU {sdpa_backend} unavailable: {error}".splitlines()[0])
             continue
         ideal_fwd = median_ms(lambda: single(q, k, v), args.warmup, args.iters) / world
         ideal_fb = median_ms(lambda: fwd_bwd(single, q, k, v, dout), args.warmup,
@@ -96,9 +100,9 @@ def main():
             layout = dr.SCHEDULE_LAYOUT[schedule]
             shards = [dr.shard_sequence(x, mesh, layout=layout) for x in (q, k, v, dout)]
 
-            def ring(a, b, c, schedule=schedule, backend=backend):
+            def ring(a, b, c, schedule=schedule, backend=backend, precision=precision):
                 return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule, is_causal=True,
-                                         backend=backend)
+                                         backend=backend, precision=precision)
 
             local = fwd_bwd(ring, *shards)
             whole = [dr.unshard_sequence(x.contiguous(), mesh, layout=layout) for x in local]
@@ -107,7 +111,8 @@ def main():
                 fwd_ms = median_ms(lambda: ring(*shards[:3]), args.warmup, args.iters)
             fb_ms = median_ms(lambda: fwd_bwd(ring, *shards), args.warmup, args.iters)
             rows.append({
-                "backend": backend, "schedule": schedule, "world_size": world,
+                "backend": backend, "precision": precision, "schedule": schedule,
+                "world_size": world,
                 "ratio_rel_rms": {n: err[n]["rel_rms"] / single_err[n]["rel_rms"] for n in NAMES},
                 "ratio_max_abs": {n: err[n]["max_abs"] / single_err[n]["max_abs"] for n in NAMES},
                 "errors": err, "single_gpu_errors": single_err,
@@ -123,12 +128,12 @@ def main():
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(f"W={world} S={args.seq} H={args.heads}/{args.kv_heads} d={args.head_dim} "
               f"causal bf16 {meta['gpu']} torch {meta['torch']} cudnn {meta['cudnn']}")
-        print("backend schedule  rel-RMS ratio out/dq/dk/dv   max-abs ratio out/dq/dk/dv   "
+        print("backend      schedule rel-RMS ratio out/dq/dk/dv   max-abs ratio out/dq/dk/dv   "
               "fwd ms (ideal)   fwd+bwd ms (ideal)")
         for r in rows:
             rr = "/".join(f"{r['ratio_rel_rms'][n]:.2f}" for n in NAMES)
             ma = "/".join(f"{r['ratio_max_abs'][n]:.2f}" for n in NAMES)
-            print(f"{r['backend']:7} {r['schedule']:8} {rr:28} {ma:28} "
+            print(f"{r['backend']:12} {r['schedule']:8} {rr:28} {ma:28} "
                   f"{r['fwd_ms']:6.2f} ({r['ideal_fwd_ms']:.2f})   "
                   f"{r['fwd_bwd_ms']:6.2f} ({r['ideal_fwd_bwd_ms']:.2f})")
     dist.destroy_process_group()

@@ -8,6 +8,11 @@ from .sharding import sequence_positions, shard_sequence, unshard_sequence
 
 SCHEDULE_LAYOUT = {name: schedule.layout.name for name, schedule in SCHEDULES.items()}
 
+# The compile pass: torch.compile(model) expands ring attention into explicit, overlapped steps.
+from . import passes  # noqa: E402 - needs the runtime above; installed as dtensor_ring.passes
+
+passes.install()
+
 __all__ = ["BACKENDS", "ContextParallel", "LAYOUTS", "SCHEDULES", "SCHEDULE_LAYOUT",
            "ring_attention", "sequence_positions", "shard_sequence", "simulate_ring",
            "unshard_sequence"]

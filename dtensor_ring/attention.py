@@ -5,7 +5,7 @@ import math
 import torch
 
 from . import ops
-from .kernels import get_kernel
+from .kernels import kernel_named, resolve_backend
 from .layouts import get_layout
 from .mesh import check_device, resolve_group
 from .schedules import get_schedule
@@ -19,7 +19,7 @@ def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_ma
     check_options(is_causal=is_causal, scale=scale, precision=precision, attn_mask=attn_mask,
                   dropout_p=dropout_p)
     sched = get_schedule(schedule)
-    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], precision)
+    kernel = kernel_named(resolve_backend(backend, q.device, q.dtype, q.shape[-1], precision))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return sched, dict(is_causal=is_causal, scale=scale, kernel=kernel)
 

@@ -2,7 +2,9 @@
 
 A schedule needs four things from its peers; ``Communicator`` names them. ``ProcessGroupComm`` runs
 them on a real process group (gloo or NCCL); ``simulated.SimComm`` runs them between threads of one
-process, so ``simulate_ring`` executes the very same schedule code.
+process, so ``simulate_ring`` executes the very same schedule code; ``FunctionalComm`` expresses them
+as PyTorch's traceable functional collectives, so the compile pass can trace that same code into a
+graph of explicit steps.
 
 Every operation is posted at once and returns a ``Pending``; ``wait()`` gives the result. A schedule
 posts the next step's exchange before it computes the current step, so the two overlap.
@@ -99,3 +101,45 @@ class ProcessGroupComm:
         received = torch.empty_like(tensor)
         work = dist.all_to_all_single(received, tensor, group=self.group, async_op=True)
         return _Works([work], received, sum_in_rank_order)
+
+
+class _Wait:
+    def __init__(self, tensor, finish=None):
+        self.tensor, self.finish = tensor, finish
+
+    def wait(self):
+        done = torch.ops._c10d_functional.wait_tensor(self.tensor)
+        return self.finish(done) if self.finish else done
+
+
+class FunctionalComm:
+    """``Communicator`` as ``_c10d_functional`` ops (traceable by make_fx/Dynamo; on torch 2.11+).
+
+    The ring shift is an ``all_to_all_single`` with one non-zero split each way: everything to
+    rank+1, everything from rank-1, i.e. a P2P exchange that the graph can hold on every supported
+    torch version. Posting returns at once; ``wait()`` emits the ``wait_tensor``.
+    """
+
+    def __init__(self, group_name: str, rank: int, world_size: int):
+        self.group_name, self.rank, self.world_size = group_name, rank, world_size
+
+    def send_recv_next(self, tensor):
+        if self.world_size == 1:
+            return _Done(tensor)
+        rows = tensor.shape[0]
+        send = [rows if r == (self.rank + 1) % self.world_size else 0
+                for r in range(self.world_size)]
+        recv = [rows if r == (self.rank - 1) % self.world_size else 0
+                for r in range(self.world_size)]
+        return _Wait(torch.ops._c10d_functional.all_to_all_single(
+            tensor.contiguous(), recv, send, self.group_name))
+
+    def all_gather(self, tensor):
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(
+            tensor.contiguous(), self.world_size, self.group_name)
+        return _Wait(gathered, lambda t: t.view(self.world_size, *tensor.shape))
+
+    def reduce_scatter(self, tensor):
+        flat = tensor.contiguous().view(self.world_size * tensor.shape[1], *tensor.shape[2:])
+        return _Wait(torch.ops._c10d_functional.reduce_scatter_tensor(
+            flat, "sum", self.world_size, self.group_name))

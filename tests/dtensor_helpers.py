@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dtensor_ring.comm import ProcessGroupComm
 from dtensor_ring.layouts import get_layout
 
 ALL_GATHERS = ("allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_",
@@ -41,11 +42,34 @@ def dtensor_sdpa(mesh, placements, kv_placements=None, **kwargs):
 
 class CollectiveLog(TorchDispatchMode):
     """Every c10d op that runs (after DTensor has turned its redistributions into them), with the
-    element count of its input, so a test can tell *what* was all-gathered."""
+    element count of its input, so a test can tell *what* was all-gathered.
+
+    The schedules communicate inside the ``dtensor_ring::ring_attention_*`` custom ops, below this
+    mode's reach, so their communicator's operations are recorded too (as "allgather_",
+    "ring_shift" and "reduce_scatter" with the local input's element count).
+    """
 
     def __init__(self):
         super().__init__()
         self.calls = []
+        self._saved = {}
+
+    def __enter__(self):
+        for method, name in (("all_gather", "allgather_"), ("send_recv_next", "ring_shift"),
+                             ("reduce_scatter", "reduce_scatter")):
+            original = getattr(ProcessGroupComm, method)
+            self._saved[method] = original
+
+            def recorded(comm, tensor, original=original, name=name):
+                self.calls.append((name, [tensor.numel()]))
+                return original(comm, tensor)
+            setattr(ProcessGroupComm, method, recorded)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for method, original in self._saved.items():
+            setattr(ProcessGroupComm, method, original)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):

@@ -61,4 +61,18 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim:
     return kernel
 
 
-__all__ = ["BACKENDS", "BlockKernel", "EXACT_BACKENDS", "get_kernel"]
+@torch.compiler.assume_constant_result
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                    precision: str = "fp32") -> str:
+    """``get_kernel(...).name``, a constant under torch.compile: the availability checks call into
+    ``torch.backends`` (e.g. ``cudnn.is_available``), which Dynamo cannot trace."""
+    return get_kernel(backend, device, dtype, head_dim, precision).name
+
+
+def kernel_named(name: str) -> BlockKernel:
+    """The kernel a ``resolve_backend`` name stands for (no availability check: it was done)."""
+    return BACKENDS.get(name) or EXACT_BACKENDS[name]
+
+
+__all__ = ["BACKENDS", "BlockKernel", "EXACT_BACKENDS", "get_kernel", "kernel_named",
+           "resolve_backend"]

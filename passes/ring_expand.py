@@ -1,0 +1,121 @@
+"""Expand each ring-attention node of a post-grad graph into its schedule's explicit steps.
+
+``ring_attention`` (and the DTensor rule) put one node per attention into the graph,
+``dtensor_ring::ring_attention_fwd`` or ``_bwd``. This pass replaces it with the schedule itself:
+the same schedule code that runs eagerly, traced with ``make_fx`` over ``FunctionalComm``, so its
+exchanges become ``_c10d_functional`` collectives and ``wait_tensor``s, its blocks the kernel's aten
+ops, and its fp32 merges plain elementwise ops that inductor fuses. Each exchange is posted before
+the compute of the step it overlaps and waited on after it, as in eager.
+
+Before (forward, zigzag, W = 4, rank 0):
+
+    ring_attention_fwd = dtensor_ring.ring_attention_fwd(q, k, v, '0', 'zigzag', True, 0.25, ...)
+    out = ring_attention_fwd[0];  lse = ring_attention_fwd[1]
+
+After (abridged; ``tests/test_ring_expand.py`` pins the full sequence):
+
+    stack = aten.stack([k, v])
+    a2a = _c10d_functional.all_to_all_single(stack, [0,0,0,S], [0,S,0,0], '0')  # K/V for step 1
+    attn = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)  # step 0 block
+    ... fp32 accumulator init ...
+    kv_1 = _c10d_functional.wait_tensor(a2a)
+    a2a_1 = _c10d_functional.all_to_all_single(kv_1, ...)                        # K/V for step 2
+    attn_1 = ...(q[S/2:], kv_1[0], kv_1[1], 0.0, False)                          # step 1 block
+    ... fp32 merge ... (and so on for steps 2 and 3)
+
+The rank and world size come from the process group named in the node, so the result is specific to
+this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph cache never hands one
+rank's graph to another.
+"""
+import collections
+import operator
+
+import torch
+import torch.distributed as dist
+from torch._guards import detect_fake_mode
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.decomposition import select_decomp_table
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dtensor_ring.comm import FunctionalComm
+from dtensor_ring.kernels import get_kernel
+from dtensor_ring.schedules import get_schedule
+
+VERSION = "ring_expand-1"
+COUNTERS: collections.Counter = collections.Counter()
+
+
+def _schedule_fn(node):
+    """The schedule call this node stands for, as a function of its tensor arguments."""
+    forward = node.target is torch.ops.dtensor_ring.ring_attention_fwd.default
+    n_tensors = 3 if forward else 6
+    tensors, options = node.args[:n_tensors], node.args[n_tensors:]
+    group_name, schedule, is_causal, scale, backend, precision = options
+    group = _resolve_process_group(group_name)
+    comm = FunctionalComm(group_name, dist.get_rank(group), dist.get_world_size(group))
+    q = tensors[0 if forward else 1].meta["val"]
+    sched = get_schedule(schedule)
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], precision)
+    kwargs = dict(is_causal=is_causal, scale=scale, kernel=kernel)
+    if forward:
+        return tensors, lambda q, k, v: sched.forward(comm, q, k, v, **kwargs)
+    return tensors, lambda *t: sched.backward(comm, *t, **kwargs)
+
+
+def _inline(graph, node, sub):
+    """Copy ``sub``'s nodes in front of ``node``, its placeholders bound to ``node``'s tensors."""
+    tensors, _ = _schedule_fn(node)
+    env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], tensors))
+    with graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                return [env[out] for out in n.args[0]]
+            if n.op == "get_attr":
+                raise RuntimeError(f"ring_expand: traced schedule holds a constant {n.target!r}")
+            env[n] = graph.node_copy(n, lambda x: env[x])
+    raise AssertionError("traced schedule has no output")
+
+
+def _expand(graph, node) -> None:
+    tensors, fn = _schedule_fn(node)
+    example = [t.meta["val"] for t in tensors]
+    with detect_fake_mode(example) or torch._subclasses.FakeTensorMode():
+        # Inductor's own decompositions: a post-grad graph may only hold ops inductor lowers.
+        sub = make_fx(torch.func.functionalize(fn), select_decomp_table())(*example)
+    sub.graph.eliminate_dead_code()  # views the functionalised merges left unused
+    results = _inline(graph, node, sub)
+    for user in list(node.users):
+        if user.target is not operator.getitem:
+            raise RuntimeError(f"ring_expand: unexpected user {user.format_node()} of {node}")
+        user.replace_all_uses_with(results[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def expand_ring_attention(graph: torch.fx.Graph) -> int:
+    """Expand every ring-attention node of ``graph`` in place; returns how many were expanded."""
+    targets = (torch.ops.dtensor_ring.ring_attention_fwd.default,
+               torch.ops.dtensor_ring.ring_attention_bwd.default)
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    if not nodes:
+        COUNTERS["graphs_without_ring_attention"] += 1  # nothing of ours here: leave it untouched
+        return 0
+    for node in nodes:
+        _expand(graph, node)
+        COUNTERS[f"expanded_{node.target.overloadpacket.__name__}"] += 1
+    graph.lint()
+    return len(nodes)
+
+
+class RingExpandPass(CustomGraphPass):
+    """``expand_ring_attention`` as an inductor custom pass (see ``install``)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        expand_ring_attention(graph)
+
+    def uuid(self):
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        return f"{VERSION}-rank{rank}"

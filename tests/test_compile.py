@@ -1,0 +1,101 @@
+"""torch.compile(model) on a context-parallel model: inductor, fullgraph=True, nothing but
+``import dtensor_ring``. On 4 gloo ranks, the repository's Llama-style model under
+``parallelize_module(..., ContextParallel(schedule))``, compiled, must give the eager context-parallel
+run's loss and parameter gradients and the float64 single-process model's (fp32: rel-RMS <= 1e-5,
+the issue-3 bound, many times the fp32 model's own error of ~1e-7 and far below any real mistake),
+with zero graph breaks and the pass's expansions counted, for every schedule. The check must be able
+to fail: a run whose RoPE sees local positions lands orders of magnitude outside the bound.
+
+Compilation dominates: each rank compiles its own graphs (the expanded schedule is rank-specific),
+and on 2 cores 4 ranks x 4 schedules take ~25 minutes (passed, 2026-11-22). CI runs W = 2 with
+zigzag and llama3; the full run is opt-in (DTENSOR_RING_SLOW_TESTS=1). The graph of every schedule
+at W = 4 is pinned by tests/test_ring_expand.py.
+"""
+import copy
+
+import os
+
+import pytest
+import torch
+import torch._functorch.config
+import torch._inductor.config
+from torch._dynamo.utils import counters
+from torch.distributed.tensor.parallel import parallelize_module
+
+import dtensor_ring as dr
+from dtensor_ring import passes
+from dtensor_ring.models import Llama, LlamaConfig
+from dtensor_ring.numerics import rel_rms
+from dist_utils import run_on_ranks
+
+LIMIT = 1e-5
+
+
+def _loss_and_grads(model, ids, labels, **kwargs):
+    model.zero_grad()
+    loss = model(ids, labels=labels, **kwargs).loss
+    loss.backward()
+    return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def _mean_over_ranks(loss, grads, mesh):
+    """Each rank's loss/gradients are over its own tokens; the whole batch's are their mean."""
+    flat = torch.cat([loss.view(1), *[g.flatten() for g in grads.values()]])
+    torch.distributed.all_reduce(flat, group=mesh.get_group())
+    flat /= mesh.size()
+    sizes = [g.numel() for g in grads.values()]
+    parts = flat[1:].split(sizes)
+    return flat[0], {n: p.view_as(g) for (n, g), p in zip(grads.items(), parts)}
+
+
+def _error(result, reference):
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    ref_flat = torch.cat([g.flatten() for g in ref_grads.values()])
+    return max(rel_rms(loss.view(1), ref_loss.view(1)), rel_rms(flat, ref_flat))
+
+
+def _compiled_matches_eager(mesh, schedules):
+    # A cached graph skips the passes: compile afresh so the expansion is exercised and counted.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    torch.manual_seed(0)
+    base = Llama(LlamaConfig())
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, base.cfg.vocab_size, (2, 64), generator=gen) for _ in range(2))
+    reference = _loss_and_grads(copy.deepcopy(base).double(), ids, labels)
+    failures = []
+    for schedule in schedules:
+        style = dr.ContextParallel(schedule=schedule)
+        eager = parallelize_module(copy.deepcopy(base), mesh, style)
+        compiled_model = parallelize_module(copy.deepcopy(base), mesh, style)
+        compiled = torch.compile(compiled_model, fullgraph=True)
+        expanded = sum(v for k, v in passes.COUNTERS.items() if k.startswith("expanded"))
+        eager_result = _mean_over_ranks(*_loss_and_grads(eager, ids, labels), mesh)
+        compiled_result = _mean_over_ranks(*_loss_and_grads(compiled, ids, labels), mesh)
+        errors = {"compiled vs float64": _error(compiled_result, reference),
+                  "compiled vs eager": _error(compiled_result, eager_result)}
+        if max(errors.values()) > LIMIT:
+            failures.append(f"{schedule}: {errors}")
+        expanded = sum(v for k, v in passes.COUNTERS.items() if k.startswith("expanded")) - expanded
+        if expanded < 2 * base.cfg.n_layers:  # one forward and one backward node per layer
+            failures.append(f"{schedule}: the pass expanded {expanded} ring nodes")
+    breaks = dict(counters["graph_break"])
+    assert not breaks, f"graph breaks: {breaks}"
+    # RoPE on local positions (a model run without the global position_ids) is far outside.
+    wrong = parallelize_module(copy.deepcopy(base), mesh,
+                               dr.ContextParallel(schedule="zigzag", position_ids=None))
+    wrong_result = _mean_over_ranks(*_loss_and_grads(wrong, ids, labels), mesh)
+    assert _error(wrong_result, reference) > 100 * LIMIT
+    assert not failures, "\n".join(failures)
+
+
+def test_compiled_context_parallel_llama_matches_eager():
+    """In CI: W = 2, the two exchanges (zigzag's P2P ring, llama3's all-gather); ~2 minutes."""
+    run_on_ranks(2, _compiled_matches_eager, ("llama3", "zigzag"))
+
+
+@pytest.mark.skipif(os.environ.get("DTENSOR_RING_SLOW_TESTS") != "1",
+                    reason="set DTENSOR_RING_SLOW_TESTS=1: ~25 minutes on a 2-core machine")
+def test_compiled_context_parallel_llama_matches_eager_on_4_ranks_every_schedule():
+    run_on_ranks(4, _compiled_matches_eager, tuple(sorted(dr.SCHEDULES)))

@@ -1,0 +1,504 @@
+"""Expect tests of the compile pass: the ring-attention node of a traced graph expanded into its
+schedule's steps, for every schedule, causal and not, forward and backward.
+
+One process, a fake process group of 4 ranks as rank 1 (zigzag's rank 1 meets every kind of step).
+Rendering (tests/graph_render.py): collectives, waits and attention kernels in graph order, the
+elementwise/view ops between them folded into counts. Refresh with EXPECTTEST_ACCEPT=1.
+"""
+import expecttest
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import dtensor_ring  # noqa: F401 - registers the ops
+from dtensor_ring import ops
+from dtensor_ring.passes import COUNTERS, expand_ring_attention
+from graph_render import render
+
+Q = torch.randn(1, 4, 16, 8)
+KV = torch.randn(1, 2, 16, 8)
+LSE = torch.randn(1, 4, 16)
+
+
+def expanded(schedule, is_causal, backward):
+    """The rendered graph of one ring-attention op after the pass."""
+    group = dist.group.WORLD.group_name
+    options = (group, schedule, is_causal, 0.25, "cpu_flash", "fp32")
+    if backward:
+        gm = make_fx(lambda d, q, k, v, o, lse: ops.ring_attention_bwd(d, q, k, v, o, lse, *options),
+                     tracing_mode="fake")(Q, Q, KV, KV, Q, LSE)
+    else:
+        gm = make_fx(lambda q, k, v: ops.ring_attention_fwd(q, k, v, *options),
+                     tracing_mode="fake")(Q, KV, KV)
+    before = sum(COUNTERS.values())
+    assert expand_ring_attention(gm.graph) == 1
+    assert sum(COUNTERS.values()) == before + 1
+    assert not any("dtensor_ring" in str(n.target) for n in gm.graph.nodes)
+    return render(gm.graph)
+
+
+class RingExpandTest(expecttest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+
+    @classmethod
+    def tearDownClass(cls):
+        dist.destroy_process_group()
+
+    def test_ring_causal_forward(self):
+        self.assertExpectedInline(expanded("ring", True, False), """\
+  (7 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, causal)
+  (8 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)""")
+
+    def test_ring_causal_backward(self):
+        self.assertExpectedInline(expanded("ring", True, True), """\
+  (6 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (29 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (4 ops)""")
+
+    def test_ring_full_forward(self):
+        self.assertExpectedInline(expanded("ring", False, False), """\
+  (7 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (8 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)""")
+
+    def test_ring_full_backward(self):
+        self.assertExpectedInline(expanded("ring", False, True), """\
+  (6 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (29 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (4 ops)""")
+
+    def test_zigzag_causal_forward(self):
+        self.assertExpectedInline(expanded("zigzag", True, False), """\
+  (7 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, causal)
+  (8 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x8x8, 1x2x8x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x8x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x8x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)""")
+
+    def test_zigzag_causal_backward(self):
+        self.assertExpectedInline(expanded("zigzag", True, True), """\
+  (6 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (29 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x8x8, 1x2x8x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (33 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x16x8, 1x2x16x8, 1x4x8x8, 1x4x8, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (27 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x16x8, 1x2x16x8, 1x4x8x8, 1x4x8, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (27 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (4 ops)""")
+
+    def test_zigzag_full_forward(self):
+        self.assertExpectedInline(expanded("zigzag", False, False), """\
+  (7 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (8 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)""")
+
+    def test_zigzag_full_backward(self):
+        self.assertExpectedInline(expanded("zigzag", False, True), """\
+  (6 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (29 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (4 ops)""")
+
+    def test_stripe_causal_forward(self):
+        self.assertExpectedInline(expanded("stripe", True, False), """\
+  (7 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, causal)
+  (8 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, causal)
+  (21 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x15x8, 1x2x15x8, 1x2x15x8, causal)
+  (21 ops)
+wait(2x1x2x16x8)
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x15x8, 1x2x15x8, 1x2x15x8, causal)
+  (21 ops)""")
+
+    def test_stripe_causal_backward(self):
+        self.assertExpectedInline(expanded("stripe", True, True), """\
+  (6 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (29 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x15x8, 1x4x15x8, 1x2x15x8, 1x2x15x8, 1x4x15x8, 1x4x15, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (35 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x15x8, 1x4x15x8, 1x2x15x8, 1x2x15x8, 1x4x15x8, 1x4x15, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (35 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (4 ops)""")
+
+    def test_stripe_full_forward(self):
+        self.assertExpectedInline(expanded("stripe", False, False), """\
+  (7 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (8 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)
+wait(2x1x2x16x8)
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
+  (21 ops)""")
+
+    def test_stripe_full_backward(self):
+        self.assertExpectedInline(expanded("stripe", False, True), """\
+  (6 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (29 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (8 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x16x8, 1x2x16x8, 1x4x16x8, 1x4x16, full)
+  (3 ops)
+wait(2x1x2x16x8)
+  (25 ops)
+all_to_all_single(2x1x2x16x8, [2, 0, 0, 0], [0, 0, 2, 0])
+wait(2x1x2x16x8)
+  (4 ops)""")
+
+    def test_llama3_causal_forward(self):
+        self.assertExpectedInline(expanded("llama3", True, False), """\
+  (9 ops)
+all_gather_into_tensor(2x1x1x16x8)
+wait(8x1x1x16x8)
+  (3 ops)
+all_gather_into_tensor(2x1x1x16x8)
+  (28 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x8x8, 1x1x16x8, 1x1x16x8, bottom-right mask)
+  (28 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x8x8, 1x1x56x8, 1x1x56x8, bottom-right mask)
+  (14 ops)
+wait(8x1x1x16x8)
+  (27 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x8x8, 1x1x16x8, 1x1x16x8, bottom-right mask)
+  (30 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x8x8, 1x1x56x8, 1x1x56x8, bottom-right mask)
+  (14 ops)""")
+
+    def test_llama3_causal_backward(self):
+        self.assertExpectedInline(expanded("llama3", True, True), """\
+  (9 ops)
+all_gather_into_tensor(2x1x1x16x8)
+wait(8x1x1x16x8)
+  (3 ops)
+all_gather_into_tensor(2x1x1x16x8)
+  (34 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x16x8, 1x1x16x8, 1x2x8x8, 1x2x8, bottom-right mask)
+  (66 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x56x8, 1x1x56x8, 1x2x8x8, 1x2x8, bottom-right mask)
+  (54 ops)
+reduce_scatter_tensor(8x1x1x16x8)
+wait(8x1x1x16x8)
+  (34 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x16x8, 1x1x16x8, 1x2x8x8, 1x2x8, bottom-right mask)
+  (67 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x56x8, 1x1x56x8, 1x2x8x8, 1x2x8, bottom-right mask)
+  (45 ops)
+wait(2x1x1x16x8)
+  (12 ops)
+reduce_scatter_tensor(8x1x1x16x8)
+wait(2x1x1x16x8)
+  (7 ops)""")
+
+    def test_llama3_full_forward(self):
+        self.assertExpectedInline(expanded("llama3", False, False), """\
+  (9 ops)
+all_gather_into_tensor(2x1x1x16x8)
+wait(8x1x1x16x8)
+  (3 ops)
+all_gather_into_tensor(2x1x1x16x8)
+  (16 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x16x8, 1x1x64x8, 1x1x64x8, full)
+  (10 ops)
+wait(8x1x1x16x8)
+  (15 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x16x8, 1x1x64x8, 1x1x64x8, full)
+  (12 ops)""")
+
+    def test_llama3_full_backward(self):
+        self.assertExpectedInline(expanded("llama3", False, True), """\
+  (9 ops)
+all_gather_into_tensor(2x1x1x16x8)
+wait(8x1x1x16x8)
+  (3 ops)
+all_gather_into_tensor(2x1x1x16x8)
+  (22 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x16x8, 1x2x16x8, 1x1x64x8, 1x1x64x8, 1x2x16x8, 1x2x16, full)
+  (41 ops)
+reduce_scatter_tensor(8x1x1x16x8)
+wait(8x1x1x16x8)
+  (22 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x16x8, 1x2x16x8, 1x1x64x8, 1x1x64x8, 1x2x16x8, 1x2x16, full)
+  (33 ops)
+wait(2x1x1x16x8)
+  (12 ops)
+reduce_scatter_tensor(8x1x1x16x8)
+wait(2x1x1x16x8)
+  (7 ops)""")
+
+
+class PassPlumbingTest(expecttest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+
+    @classmethod
+    def tearDownClass(cls):
+        dist.destroy_process_group()
+
+    def test_graph_without_ring_attention_is_untouched(self):
+        def plain(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v).relu() @ q.mT
+
+        gm = make_fx(plain, tracing_mode="fake")(Q, Q, Q)
+        before, skipped = gm.code, COUNTERS["graphs_without_ring_attention"]
+        self.assertEqual(expand_ring_attention(gm.graph), 0)
+        gm.recompile()
+        self.assertEqual(gm.code, before)
+        self.assertEqual(COUNTERS["graphs_without_ring_attention"], skipped + 1)
+
+    def test_install_keeps_a_users_pass_and_runs_it_after_ours(self):
+        import torch._inductor.config as inductor_config
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        from dtensor_ring.passes import ComposedPass, RingExpandPass, install
+
+        seen = []
+
+        class UsersPass(CustomGraphPass):
+            def __call__(self, graph):
+                seen.append(any("dtensor_ring" in str(n.target) for n in graph.nodes))
+
+            def uuid(self):
+                return "users-pass-v1"
+
+        saved = inductor_config.post_grad_custom_pre_pass
+        try:
+            inductor_config.post_grad_custom_pre_pass = UsersPass()
+            install()
+            install()  # idempotent
+            composed = inductor_config.post_grad_custom_pre_pass
+            self.assertIsInstance(composed, ComposedPass)
+            self.assertEqual([type(p) for p in composed.passes], [RingExpandPass, UsersPass])
+            self.assertIn("rank1", RingExpandPass().uuid())  # rank-specific graphs, rank-specific key
+            self.assertIsNotNone(composed.uuid())
+            gm = make_fx(lambda q, k, v: ops.ring_attention_fwd(
+                q, k, v, dist.group.WORLD.group_name, "zigzag", True, 0.25, "cpu_flash", "fp32"),
+                tracing_mode="fake")(Q, KV, KV)
+            composed(gm.graph)
+            self.assertEqual(seen, [False])  # the user's pass saw the graph after the expansion
+        finally:
+            inductor_config.post_grad_custom_pre_pass = saved
