@@ -3,10 +3,10 @@ from .attention import ring_attention, simulate_ring
 from .dtensor import ContextParallel  # installs the DTensor SDPA rule
 from .kernels import BACKENDS
 from .layouts import LAYOUTS
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, get_schedule
 from .sharding import sequence_positions, shard_sequence, unshard_sequence
 
-SCHEDULE_LAYOUT = {name: schedule.layout.name for name, schedule in SCHEDULES.items()}
+SCHEDULE_LAYOUT = {name: get_schedule(name).layout.name for name in ("auto", *SCHEDULES)}
 
 # The compile pass: torch.compile(model) expands ring attention into explicit, overlapped steps.
 from . import passes  # noqa: E402 - needs the runtime above; installed as dtensor_ring.passes

@@ -24,7 +24,7 @@ def _ring(mesh, q, k, v, **kwargs):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(schedule="zagzig"), r"schedule='zagzig'.*valid schedules: \['llama3', 'ring', 'stripe', 'zigzag'\]"),
+    (dict(schedule="zagzig"), r"schedule='zagzig'.*valid schedules: \['auto', 'llama3', 'ring', 'stripe', 'zigzag'\]"),
     (dict(backend="cuda_magic"), r"backend='cuda_magic' is not known; valid backends with precision='fp32': \['auto'"),
     (dict(backend="cudnn"), r"backend='cudnn' cannot run on device=cpu.*usable here: \['cpu_flash', 'math'\]"),
     (dict(precision="fp16"), r"precision='fp16' is not supported; valid: \['fp32', 'exact'\]"),

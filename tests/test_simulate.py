@@ -99,3 +99,18 @@ def test_an_off_by_one_causal_mask_fails_the_tolerance():
     with pytest.raises(AssertionError, match="error ratio"):
         check_ratios(ratios(got, single, reference), torch.bfloat16)
     assert rel_rms(got[0], reference[0]) > 10 * rel_rms(single[0], reference[0])
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,picked", [(8, 2, "llama3"), (4, 4, "zigzag")])
+def test_auto_picks_llama3_for_strong_gqa_and_zigzag_otherwise(q_heads, kv_heads, picked):
+    assert dr.SCHEDULE_LAYOUT["auto"] == "zigzag"
+    q, k, v, dout = make_inputs(1, q_heads, kv_heads, 64, 16)
+    reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
+    single = attention_and_grads(sdpa(True), q, k, v, dout, torch.float32)
+    results = {
+        name: attention_and_grads(lambda a, b, c, name=name: dr.simulate_ring(
+            a, b, c, world_size=4, schedule=name, is_causal=True), q, k, v, dout, torch.float32)
+        for name in ("auto", picked)}
+    for got, want in zip(results["auto"], results[picked]):
+        assert torch.equal(got, want)
+    check_ratios(ratios(results["auto"], single, reference), torch.float32, "auto")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..schedules import SCHEDULES, get_schedule
+from ..schedules import get_schedule
 from ..validation import PRECISIONS
 
 DEFAULT_SCHEDULE = "ring"  # plain Shard(2): the contiguous layout
@@ -40,7 +40,7 @@ class SequenceSharding:
 
     @property
     def layout(self) -> str:
-        return SCHEDULES[self.schedule].layout.name
+        return get_schedule(self.schedule).layout.name
 
 
 _ENTRIES: dict[tuple, SequenceSharding] = {}
