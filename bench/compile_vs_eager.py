@@ -11,7 +11,6 @@ between the compiled and eager out/dq/dk/dv.
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -19,30 +18,9 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 import dtensor_ring as dr
+from dtensor_ring.numerics import fwd_bwd
+from timing import median_ms
 from dtensor_ring import passes
-
-
-def fwd_bwd(fn, q, k, v, dout):
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = fn(q, k, v)
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
-
-
-def median_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    worst = torch.tensor(statistics.median(times), device="cuda")
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
 
 
 def main():

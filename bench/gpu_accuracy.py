@@ -12,7 +12,6 @@ time / W as the ideal.
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -21,40 +20,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
+from dtensor_ring.numerics import errors, fwd_bwd
+from timing import median_ms
 
 # (our backend, precision, the single-GPU SDPA kernel it is compared with)
 RUNS = [("cudnn", "fp32", SDPBackend.CUDNN_ATTENTION), ("flash", "fp32", SDPBackend.FLASH_ATTENTION),
         ("triton_exact", "exact", SDPBackend.CUDNN_ATTENTION)]
 NAMES = ("out", "dq", "dk", "dv")
-
-
-def fwd_bwd(fn, q, k, v, dout):
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = fn(q, k, v)
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
-
-
-def errors(results, reference):
-    return {n: {"rel_rms": ((r.double() - ref).norm() / ref.norm()).item(),
-                "max_abs": (r.double() - ref).abs().max().item()}
-            for n, r, ref in zip(NAMES, results, reference)}
-
-
-def median_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    worst = torch.tensor(statistics.median(times), device="cuda")
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
 
 
 def main():

@@ -6,7 +6,6 @@ import torch
 
 from . import ops
 from .kernels import kernel_named, resolve_backend
-from .layouts import get_layout
 from .mesh import check_device, resolve_group
 from .schedules import get_schedule
 from .sharding import from_rank_major

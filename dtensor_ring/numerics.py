@@ -23,12 +23,23 @@ def make_inputs(batch, q_heads, kv_heads, seq, head_dim, seed=0):
     return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
 
 
-def attention_and_grads(fn, q, k, v, dout, dtype):
-    """``fn(q, k, v)`` on inputs cast to ``dtype``; returns out, dq, dk, dv."""
-    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+def fwd_bwd(fn, q, k, v, dout):
+    """out, dq, dk, dv of ``fn(q, k, v)`` backpropagating ``dout``, on fresh leaves."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     out = fn(q, k, v)
-    out.backward(dout.to(dtype))
+    out.backward(dout)
     return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def attention_and_grads(fn, q, k, v, dout, dtype):
+    """``fwd_bwd`` on inputs cast to ``dtype``."""
+    return fwd_bwd(fn, *(x.to(dtype) for x in (q, k, v)), dout.to(dtype))
+
+
+def errors(results, reference):
+    """rel-RMS and max-abs error of out, dq, dk, dv against ``reference``."""
+    return {n: {"rel_rms": rel_rms(r, ref), "max_abs": (r.double() - ref).abs().max().item()}
+            for n, r, ref in zip(NAMES, results, reference)}
 
 
 def sdpa(is_causal):

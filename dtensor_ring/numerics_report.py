@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import simulate_ring
-from .numerics import NAMES
+from .numerics import NAMES, errors, fwd_bwd
 from .schedules import SCHEDULES
 from .validation import PRECISIONS
 
@@ -41,19 +41,6 @@ def make_inputs(kind, batch, heads, kv_heads, seq, head_dim, seed=0):
             spikes = torch.rand(x.shape, generator=gen, dtype=torch.float64) < 0.001
             x += 10.0 * torch.randn(x.shape, generator=gen, dtype=torch.float64) * spikes
     return tensors
-
-
-def fwd_bwd(fn, q, k, v, dout):
-    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = fn(q, k, v)
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
-
-
-def errors(results, reference):
-    return {n: {"rel_rms": ((r.double() - ref).norm() / ref.norm()).item(),
-                "max_abs": (r.double() - ref).abs().max().item()}
-            for n, r, ref in zip(NAMES, results, reference)}
 
 
 def world_sizes(schedule, seq, max_world):
