@@ -88,3 +88,20 @@ class CollectiveLog(TorchDispatchMode):
 
     def names(self):
         return [name for name, _ in self.calls]
+
+
+def expect_error(failures, where, exc_type, fn, *fragments):
+    """Record in ``failures`` unless ``fn()`` raises ``exc_type`` whose message has ``fragments``
+    (collected rather than raised, so one rank reports every bad case at once)."""
+    try:
+        fn()
+    except exc_type as error:
+        missing = [f for f in fragments if f not in str(error)]
+        if missing:
+            failures.append(f"{where}: message lacks {missing}: {error}")
+        return
+    except Exception as error:  # noqa: BLE001 - report the wrong kind
+        failures.append(f"{where}: expected {exc_type.__name__}, got {type(error).__name__}: "
+                        f"{error}")
+        return
+    failures.append(f"{where}: expected {exc_type.__name__}, nothing raised")

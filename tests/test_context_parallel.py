@@ -24,6 +24,7 @@ from dtensor_ring import dtensor as drt
 from dtensor_ring.models import Llama, LlamaConfig
 from dtensor_ring.numerics import rel_rms
 from dist_utils import run_on_ranks
+from dtensor_helpers import expect_error
 
 BATCH, SEQ = 2, 64
 FP32_LIMIT = 1e-5
@@ -160,21 +161,6 @@ def _tp_cp_case(failures, label):
             failures.append(f"{label} tp x cp: the TP plan did not apply")
 
 
-def _expect(failures, where, exc_type, fn, *fragments):
-    try:
-        fn()
-    except exc_type as error:
-        missing = [f for f in fragments if f not in str(error)]
-        if missing:
-            failures.append(f"{where}: message lacks {missing}: {error}")
-        return
-    except Exception as error:  # noqa: BLE001
-        failures.append(f"{where}: expected {exc_type.__name__}, got {type(error).__name__}: "
-                        f"{error}")
-        return
-    failures.append(f"{where}: expected {exc_type.__name__}, nothing raised")
-
-
 class _MaskedAttention(torch.nn.Module):
     def forward(self, x):
         q = x.unsqueeze(1)
@@ -195,26 +181,27 @@ class _ReplicatedAttention(torch.nn.Module):
 def _style_errors(mesh, failures):
     model = parallelize_module(_base_model(), mesh, dr.ContextParallel("zigzag"))
     ids, labels = _batch(3, 512)
-    _expect(failures, "attention_mask input", ValueError,
+    expect_error(failures, "attention_mask input", ValueError,
             lambda: model(ids, labels=labels, attention_mask=torch.ones_like(ids)),
             "attention_mask")
     short = ids[:, :SEQ - 4]
-    _expect(failures, "length not divisible", ValueError, lambda: model(short),
+    expect_error(failures, "length not divisible", ValueError, lambda: model(short),
             f"input_ids.shape[1]={SEQ - 4}", "zigzag")
-    _expect(failures, "inputs of different lengths", ValueError,
+    expect_error(failures, "inputs of different lengths", ValueError,
             lambda: model(ids, labels=labels[:, :8]), "'labels'", "8", str(SEQ))
     named = parallelize_module(_base_model(), mesh,
                                dr.ContextParallel("ring", seq_inputs=("input_ids", "targets")))
-    _expect(failures, "seq_inputs names a missing input", ValueError, lambda: named(ids),
+    expect_error(failures, "seq_inputs names a missing input", ValueError, lambda: named(ids),
             "targets")
     x = torch.randn(2, SEQ, 8)
     masked = parallelize_module(_MaskedAttention(), mesh, dr.ContextParallel("ring"))
-    _expect(failures, "attn_mask inside the module", ValueError, lambda: masked(x), "attn_mask")
+    expect_error(failures, "attn_mask inside the module", ValueError, lambda: masked(x),
+                 "attn_mask")
     replicated = parallelize_module(_ReplicatedAttention(mesh), mesh, dr.ContextParallel("ring"))
-    _expect(failures, "replicated DTensor SDPA inside the module", ValueError,
+    expect_error(failures, "replicated DTensor SDPA inside the module", ValueError,
             lambda: replicated(x), "Shard(2)")
     mesh2d = init_device_mesh("cpu", (2, mesh.size() // 2), mesh_dim_names=("tp", "cp"))
-    _expect(failures, "a 2-D mesh", ValueError,
+    expect_error(failures, "a 2-D mesh", ValueError,
             lambda: parallelize_module(_base_model(), mesh2d, dr.ContextParallel()), "1-D")
     # A failed forward leaves no SDPA mode behind: plain SDPA still runs locally.
     q = torch.randn(1, 1, 4, 8)

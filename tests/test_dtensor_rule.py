@@ -23,7 +23,7 @@ import dtensor_ring as dr
 from dtensor_ring import dtensor as drt
 from dtensor_ring.numerics import (TOLERANCE, attention_and_grads, check_ratios, make_inputs,
                                    ratios, sdpa)
-from dtensor_helpers import CollectiveLog, dtensor_sdpa, local_shard
+from dtensor_helpers import CollectiveLog, dtensor_sdpa, expect_error, local_shard
 from dist_utils import run_on_ranks
 
 SEQ = [Shard(2)]
@@ -132,21 +132,6 @@ def _math_op_case(mesh, failures, rank_label):
         drt.clear_sequence_schedule(mesh)
 
 
-def _expect(failures, where, exc_type, fn, *fragments):
-    try:
-        fn()
-    except exc_type as error:
-        missing = [f for f in fragments if f not in str(error)]
-        if missing:
-            failures.append(f"{where}: message lacks {missing}: {error}")
-        return
-    except Exception as error:  # noqa: BLE001 - report the wrong kind
-        failures.append(f"{where}: expected {exc_type.__name__}, got {type(error).__name__}: "
-                        f"{error}")
-        return
-    failures.append(f"{where}: expected {exc_type.__name__}, nothing raised")
-
-
 def _dt(x, mesh, placements, shape=None):
     return DTensor.from_local(x, mesh, placements, run_check=False, shape=shape,
                               stride=None if shape is None else torch.empty(shape).stride())
@@ -164,44 +149,44 @@ def _error_cases(mesh, failures):
     dq = drt.distribute_sequence(q, mesh)
     drt.set_sequence_schedule(mesh, "stripe")
     dk, dv = drt.distribute_sequence(k, mesh), drt.distribute_sequence(v, mesh)
-    _expect(failures, "different layouts", ValueError, lambda: attend(dq, dk, dv),
+    expect_error(failures, "different layouts", ValueError, lambda: attend(dq, dk, dv),
             "query", "'zigzag'", "'stripe'")
     drt.clear_sequence_schedule(mesh)
 
     seq = [_dt(local_shard(x, mesh, SEQ, "contiguous"), mesh, SEQ) for x in (q, k, v)]
     # key Shard(1) where the sequence (Shard(2)) is expected.
     heads_k = _dt(k.chunk(world, 1)[mesh.get_local_rank()], mesh, [Shard(1)])
-    _expect(failures, "key Shard(1) on the sequence dim", ValueError,
+    expect_error(failures, "key Shard(1) on the sequence dim", ValueError,
             lambda: attend(seq[0], heads_k, seq[2]), "key", "Shard(dim=1)", "Shard(2)")
     # A Shard of another dim on a mesh dimension registered for sequences.
     drt.set_sequence_schedule(mesh, "ring")
     dims3 = [_dt(x.chunk(world, 3)[mesh.get_local_rank()], mesh, [Shard(3)]) for x in (q, k, v)]
-    _expect(failures, "Shard(3) on a registered sequence dim", ValueError,
+    expect_error(failures, "Shard(3) on a registered sequence dim", ValueError,
             lambda: attend(*dims3), "query", "Shard(3)", "Shard(2)")
     drt.clear_sequence_schedule(mesh)
     # key/value sharded, query not.
     rep_q = _dt(q, mesh, [Replicate()])
-    _expect(failures, "query not sequence-sharded", ValueError,
+    expect_error(failures, "query not sequence-sharded", ValueError,
             lambda: attend(rep_q, seq[1], seq[2]), "query is not")
-    _expect(failures, "key Shard(2) but value Replicate", ValueError,
+    expect_error(failures, "key Shard(2) but value Replicate", ValueError,
             lambda: attend(seq[0], seq[1], _dt(v, mesh, [Replicate()])), "key", "value")
     # Global length not divisible by the mesh size (uneven Shard(2)).
     uneven_len = 8 * world + 1
     qq, kk, vv, _ = (x.float() for x in make_inputs(1, 4, 4, uneven_len, 16, seed=4))
     uneven = [_dt(x.tensor_split(world, 2)[mesh.get_local_rank()], mesh, SEQ, x.shape)
               for x in (qq, kk, vv)]
-    _expect(failures, "length not divisible by W", ValueError, lambda: attend(*uneven),
+    expect_error(failures, "length not divisible by W", ValueError, lambda: attend(*uneven),
             f"query.shape[2] (global sequence length)={uneven_len}", f"size {world}")
     # zigzag needs an even local length: 3 tokens per rank.
     drt.set_sequence_schedule(mesh, "zigzag")
     odd = [_dt(x[:, :, :3].contiguous(), mesh, SEQ) for x in (q, k, v)]
-    _expect(failures, "zigzag with an odd local length", ValueError, lambda: attend(*odd),
+    expect_error(failures, "zigzag with an odd local length", ValueError, lambda: attend(*odd),
             "'zigzag'", f"={3 * world}")
     drt.clear_sequence_schedule(mesh)
     # attn_mask with sequence sharding: refused, not all-gathered.
     mask = _dt(torch.ones(8 * world, 8 * world, dtype=torch.bool).tril(), mesh, [Replicate()])
     with CollectiveLog() as log:
-        _expect(failures, "attn_mask", ValueError, lambda: attend(*seq, attn_mask=mask),
+        expect_error(failures, "attn_mask", ValueError, lambda: attend(*seq, attn_mask=mask),
                 "attn_mask", "is_causal=True")
     if log.gathered_elements():
         failures.append(f"attn_mask: something was all-gathered before the error: {log.calls}")
@@ -268,12 +253,12 @@ def _two_d_world(mesh_1d):
     def on(x, placements):
         return _dt(local_shard(x, mesh, placements, "contiguous"), mesh, placements, x.shape)
 
-    _expect(failures, "q/k/v on different mesh dims", ValueError,
+    expect_error(failures, "q/k/v on different mesh dims", ValueError,
             lambda: F.scaled_dot_product_attention(
                 on(q, [Replicate(), Shard(2)]), on(k, [Shard(2), Replicate()]),
                 on(v, [Shard(2), Replicate()]), enable_gqa=True),
             "key", "'tp'", "'cp'", "same mesh dimension")
-    _expect(failures, "Partial on the tp dim", ValueError,
+    expect_error(failures, "Partial on the tp dim", ValueError,
             lambda: F.scaled_dot_product_attention(
                 _dt(local_shard(q, mesh, [Replicate(), Shard(2)], "contiguous"), mesh,
                     [Partial(), Shard(2)]),
@@ -282,7 +267,7 @@ def _two_d_world(mesh_1d):
     # A layout registered for a "cp" dimension of size 4, used on this mesh's "cp" of size 2.
     cp4 = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
     drt.set_sequence_schedule(cp4, "zigzag")
-    _expect(failures, "layout registered for another size", ValueError,
+    expect_error(failures, "layout registered for another size", ValueError,
             lambda: F.scaled_dot_product_attention(
                 *(on(x, [Shard(1), Shard(2)]) for x in (q, k, v)), enable_gqa=True),
             "size 2", "size 4", "'zigzag'")
