@@ -1,0 +1,81 @@
+"""docs/make_layouts.py: the picture's data is the package's own, and the script writes the PNG.
+
+The layouts it draws must be what ``dr.shard_sequence`` / ``dr.sequence_positions`` give each rank
+(checked through a fake process group: one process plays every rank, no communication), and its
+causal grid must say what the ring does: rank r computes its own q rows, at the step when it holds
+the K/V of the k token's owner (step = (r - owner) mod W). Drawing needs matplotlib (skipped
+without it); the data checks do not.
+"""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtensor_ring as dr
+
+SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "make_layouts.py"
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    spec = importlib.util.spec_from_file_location("make_layouts", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _as_rank(rank, world):
+    """A default process group in which this process is ``rank`` of ``world`` (fake backend)."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=fake_pg.FakeStore())
+
+
+@pytest.mark.parametrize("schedule", ["ring", "zigzag", "stripe", "llama3"])
+def test_drawn_layouts_are_shard_sequence(layouts, schedule):
+    world, seq = layouts.WORLD, layouts.SEQ
+    drawn = layouts.token_owners(schedule)
+    layout = dr.SCHEDULE_LAYOUT[schedule]
+    for rank in range(world):
+        _as_rank(rank, world)
+        try:
+            group = dist.group.WORLD
+            shard = dr.shard_sequence(torch.arange(seq), group, dim=0, layout=layout)
+            positions = dr.sequence_positions(seq, group, layout=layout)
+        finally:
+            dist.destroy_process_group()
+        assert drawn[rank] == shard.tolist() == positions.tolist(), (schedule, rank)
+    assert sorted(sum(drawn, [])) == list(range(seq))
+
+
+@pytest.mark.parametrize("schedule", ["ring", "zigzag", "stripe", "llama3"])
+def test_drawn_causal_grid_is_the_ring(layouts, schedule):
+    world, seq = layouts.WORLD, layouts.SEQ
+    rank_of, step_of = layouts.causal_work(schedule)
+    owner = torch.empty(seq, dtype=torch.int64)
+    for rank, positions in enumerate(layouts.token_owners(schedule)):
+        owner[positions] = rank
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    assert torch.equal(rank_of >= 0, causal)
+    q_owner = owner[:, None].expand(seq, seq)
+    assert torch.equal(rank_of[causal], q_owner[causal])  # each rank computes its own q rows
+    if schedule == "llama3":
+        assert (step_of[causal] == 0).all()
+    else:
+        k_owner = owner[None, :].expand(seq, seq)
+        assert torch.equal(step_of[causal], ((q_owner - k_owner) % world)[causal])
+    work = layouts.work_per_step(schedule)
+    assert work.sum() == seq * (seq + 1) // 2
+    if schedule in ("zigzag", "llama3"):
+        assert len(set(work.sum(1).tolist())) == 1  # balanced
+
+
+def test_script_writes_the_png(layouts, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = layouts.main([str(tmp_path / "sub" / "layouts.png")])
+    assert out == tmp_path / "sub" / "layouts.png"
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
