@@ -1,0 +1,687 @@
+"""Side-by-side speed of attention over a sequence split across W GPUs (issue 5), on the same inputs.
+
+    torchrun --nproc-per-node=2 bench/speed.py --tokens-per-gpu 2048,4096,8192,16384,32768 \\
+        --heads 32 --kv-heads 32,8 --out speed.json --plot speed.png
+    python bench/speed.py --plot-only speed.json --plot speed.png       # the plot again, no GPU
+    torchrun --nproc-per-node=2 bench/speed.py --device cpu --tokens-per-gpu 64 --heads 4 \\
+        --kv-heads 4,2 --head-dim 16 --iters 2 --warmup 1 --out smoke.json   # gloo smoke run
+
+Methods, per config (tokens per GPU x kv heads; d = 128, causal bf16 unless told otherwise):
+
+* ``ideal_cudnn``, ``ideal_flash``: one GPU's SDPA kernel over the whole global sequence, time / W
+  (every rank times it on its own GPU; the max over ranks). The cuDNN one is *the* ideal: every
+  row's fraction is ideal_cudnn / its time.
+* ``torch_cp_allgather``, ``torch_cp_alltoall``: PyTorch's ``context_parallel`` with
+  ``set_rotate_method(...)``, SDPA under cuDNN. It shards with its own load balancer (a position
+  buffer tells which global tokens each rank holds); only the attention call is timed.
+* ``<schedule>_<precision>``: ``dr.ring_attention`` for ring / zigzag / stripe / llama3 in precision
+  fp32 (cuDNN block kernels by default) and exact (the Triton kernel).
+
+Columns: forward and forward+backward time (CUDA events, --warmup, median of --iters, max over ranks),
+fraction of the ideal, the memory the call adds on top of its inputs at its peak
+(``max_memory_allocated`` - allocated before, reset per method, max over ranks; for the ideal rows
+on one GPU over the whole sequence), and the rel-RMS error of out/dq/dk/dv against a float64
+reference of the whole attention, as a ratio to single-GPU cuDNN's own rel-RMS (DESIGN.md's
+figure of merit), for global lengths up to --accuracy-max-seq (the reference is O(S^2) per head).
+
+Robustness: a method that raises (OOM, unsupported) gets an error string in its row and the run goes
+on; each rank's failure flag is all-reduced so every rank takes the same branch. The JSON is
+rewritten after every row, so a run stopped by a time limit keeps what it measured; --budget-s
+skips what is left once that many seconds have passed (the ranks agree on it).
+
+--profile FILE: first, a torch.profiler summary of zigzag fp32 forward+backward (--profile-tokens per
+GPU, q heads = kv heads = --heads): the top kernels by GPU time, per-category totals and how much
+NCCL time no compute kernel overlaps, per rank (FILE with ``_r<rank>`` before the suffix).
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import dtensor_ring as dr
+from dtensor_ring.numerics import NAMES, errors, fwd_bwd, rel_rms
+from timing import local_median_ms
+
+SCHEDULES = ("ring", "zigzag", "stripe", "llama3")
+PRECISIONS = ("fp32", "exact")
+ROTATIONS = ("allgather", "alltoall")
+
+
+def ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens-per-gpu", type=ints, default=[2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=ints, default=[32, 8])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--no-causal", action="store_true", help="non-causal attention for every config")
+    p.add_argument("--also-non-causal", type=ints, default=[], metavar="TOKENS",
+                   help="after the causal sweep, non-causal configs at these tokens per GPU "
+                        "(first --kv-heads value)")
+    p.add_argument("--non-causal-methods", default="ideal,torch_cp,ring_",
+                   help="method-name prefixes run in the --also-non-causal configs")
+    p.add_argument("--methods", default="",
+                   help="comma list of method-name prefixes to run (default: all)")
+    p.add_argument("--fp32-backend", default="auto", help="block kernel of the fp32 rows")
+    p.add_argument("--torch-cp-kernel", default="cudnn", choices=("cudnn", "flash"))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--accuracy-max-seq", type=int, default=16384,
+                   help="accuracy column only for global sequence lengths up to this")
+    p.add_argument("--budget-s", type=float, default=0, help="skip what is left after this (0: no)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON results (rewritten after every row)")
+    p.add_argument("--plot", help="PNG: fraction of the ideal vs tokens per GPU")
+    p.add_argument("--plot-only", metavar="JSON", help="only plot an earlier run's JSON")
+    p.add_argument("--profile", metavar="FILE", help="profile zigzag fp32 fwd+bwd first")
+    p.add_argument("--profile-tokens", type=int, default=8192)
+    p.add_argument("--profile-iters", type=int, default=5)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and the float64 reference
+
+
+def make_inputs(cfg, device, seed, need64):
+    """Whole-sequence q, k, v, dout in bf16 (and float64 when the accuracy column needs it), the
+    same on every rank (one seed)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, s, d = cfg["batch"], cfg["seq"], cfg["head_dim"]
+    shapes = [(b, cfg["heads"], s, d), (b, cfg["kv_heads"], s, d), (b, cfg["kv_heads"], s, d),
+              (b, cfg["heads"], s, d)]
+    if need64:
+        x64 = [torch.randn(sh, generator=gen, device=device, dtype=torch.float64) for sh in shapes]
+        return [x.bfloat16() for x in x64], x64
+    return [torch.randn(sh, generator=gen, device=device, dtype=torch.float32).bfloat16()
+            for sh in shapes], None
+
+
+def reference(q, k, v, dout, causal, scale, max_bytes=8 << 30):
+    """out, dq, dk, dv of the whole attention in the inputs' dtype (float64), a few q heads at a
+    time so the S x S matrices stay under ``max_bytes``; GQA through the kv head of each q head."""
+    b, hq, s, _ = q.shape
+    groups = hq // k.shape[1]
+    out, dq = torch.empty_like(q), torch.empty_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    step = max(1, min(hq, max_bytes // (3 * b * s * s * q.element_size())))
+    keep = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if causal else None
+    for h0 in range(0, hq, step):
+        heads = slice(h0, min(hq, h0 + step))
+        kv_index = torch.arange(heads.start, heads.stop, device=q.device) // groups
+        qh, doh, kh, vh = q[:, heads], dout[:, heads], k[:, kv_index], v[:, kv_index]
+        p = qh @ kh.transpose(-1, -2) * scale
+        if causal:
+            p.masked_fill_(~keep, float("-inf"))
+        p = p.softmax(-1)
+        oh = p @ vh
+        dvh = p.transpose(-1, -2) @ doh
+        ds = doh @ vh.transpose(-1, -2)
+        ds.sub_((doh * oh).sum(-1, keepdim=True)).mul_(p)
+        del p
+        out[:, heads], dq[:, heads] = oh, ds @ kh * scale
+        dk.index_add_(1, kv_index, ds.transpose(-1, -2) @ qh * scale)
+        dv.index_add_(1, kv_index, dvh)
+        del ds
+    return out, dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# The methods: each yields (forward(), forward_backward(), whole_results()) for one config
+
+
+class Ctx:
+    """What every method needs for one config: the mesh, the whole inputs, shards by layout."""
+
+    def __init__(self, args, cfg, mesh, inputs):
+        self.args, self.cfg, self.mesh, self.inputs = args, cfg, mesh, inputs
+        self.world, self.rank = mesh.size(), mesh.get_local_rank()
+        self.causal, self.gqa = cfg["causal"], cfg["heads"] != cfg["kv_heads"]
+        self._shards = {}
+
+    def shards(self, layout):
+        if layout not in self._shards:
+            self._shards[layout] = [dr.shard_sequence(x, self.mesh, layout=layout)
+                                    for x in self.inputs]
+        return self._shards[layout]
+
+
+class Ideal:
+    kind = "ideal"
+
+    def __init__(self, name, backend):
+        self.name, self.backend = name, backend
+
+    def run(self, ctx):
+        q, k, v, dout = ctx.inputs
+
+        def single(a, b, c):
+            with sdpa_kernel(self.backend) if self.backend is not None else _nullcontext():
+                return F.scaled_dot_product_attention(a, b, c, is_causal=ctx.causal,
+                                                      enable_gqa=ctx.gqa)
+
+        def forward():
+            with torch.no_grad():
+                single(q, k, v)
+
+        def forward_backward():
+            return fwd_bwd(single, q, k, v, dout)
+
+        yield forward, forward_backward, forward_backward  # the whole sequence already
+
+
+class Ours:
+    kind = "ours"
+
+    def __init__(self, schedule, precision):
+        self.schedule, self.precision = schedule, precision
+        self.name = f"{schedule}_{precision}"
+
+    def run(self, ctx):
+        layout = dr.SCHEDULE_LAYOUT[self.schedule]
+        shards = ctx.shards(layout)
+        backend = ctx.args.fp32_backend if self.precision == "fp32" else "auto"
+
+        def ring(a, b, c):
+            return dr.ring_attention(a, b, c, mesh=ctx.mesh, schedule=self.schedule,
+                                     is_causal=ctx.causal, precision=self.precision,
+                                     backend=backend)
+
+        def forward():
+            with torch.no_grad():
+                ring(*shards[:3])
+
+        def whole():
+            return [dr.unshard_sequence(x.contiguous(), ctx.mesh, layout=layout)
+                    for x in fwd_bwd(ring, *shards)]
+
+        yield forward, lambda: fwd_bwd(ring, *shards), whole
+
+
+class TorchCP:
+    """PyTorch's context_parallel. A position buffer, sharded by it like any buffer, says which
+    global tokens this rank holds in its load-balanced layout; q/k/v/dout are cut to match (so
+    only our small int buffer goes through its in-place resharding), and results go back to
+    natural order through the gathered positions."""
+
+    kind = "torch_cp"
+
+    def __init__(self, rotation):
+        self.rotation = rotation
+        self.name = f"torch_cp_{rotation}"
+
+    def run(self, ctx):
+        from torch.distributed.tensor.experimental import context_parallel
+        try:
+            from torch.distributed.tensor.experimental._attention import (_cp_options,
+                                                                           set_rotate_method)
+        except ImportError:  # where the back-compat module lacks them
+            from torch.distributed.tensor.experimental._context_parallel._attention import (
+                _cp_options, set_rotate_method)
+        kernel = {"cudnn": SDPBackend.CUDNN_ATTENTION,
+                  "flash": SDPBackend.FLASH_ATTENTION}[ctx.args.torch_cp_kernel]
+        seq = ctx.cfg["seq"]
+        device = ctx.inputs[0].device
+        positions = torch.arange(seq, device=device).view(1, seq)
+        old_balance, old_rotation = _cp_options.enable_load_balance, _cp_options.rotate_method
+        # Its load balancer is for causal attention only (non-causal raises with it on).
+        _cp_options.enable_load_balance = ctx.causal
+        set_rotate_method(self.rotation)
+        try:
+            with context_parallel(ctx.mesh, buffers=[positions], buffer_seq_dims=[1],
+                                  no_restore_buffers={positions}):
+                index = positions[0].clone()
+                local = [x.index_select(2, index) for x in ctx.inputs]
+
+                def attention(a, b, c):
+                    extra = {"enable_gqa": True} if ctx.gqa else {}
+                    with sdpa_kernel(kernel):  # looked up now: context_parallel patches F.sdpa
+                        return F.scaled_dot_product_attention(a, b, c, is_causal=ctx.causal,
+                                                              **extra)
+
+                def forward():
+                    with torch.no_grad():
+                        attention(*local[:3])
+
+                def whole():
+                    return [_unshard_by_index(x, index, ctx.world)
+                            for x in fwd_bwd(attention, *local)]
+
+                yield forward, lambda: fwd_bwd(attention, *local), whole
+        finally:
+            _cp_options.enable_load_balance = old_balance
+            _cp_options.rotate_method = old_rotation
+
+
+def _unshard_by_index(x, index, world):
+    """Shards along dim 2 whose global positions are ``index`` (per rank) -> natural order."""
+    xs = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(xs, x.contiguous())
+    idx = [torch.empty_like(index) for _ in range(world)]
+    dist.all_gather(idx, index)
+    whole = x.new_empty((*x.shape[:2], x.shape[2] * world, *x.shape[3:]))
+    whole.index_copy_(2, torch.cat(idx), torch.cat(xs, 2))
+    return whole
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def all_methods(device):
+    ideals = ([Ideal("ideal_cudnn", SDPBackend.CUDNN_ATTENTION),
+               Ideal("ideal_flash", SDPBackend.FLASH_ATTENTION)] if device == "cuda"
+              else [Ideal("ideal_cpu", None)])
+    return (ideals + [TorchCP(r) for r in ROTATIONS]
+            + [Ours(s, p) for s in SCHEDULES for p in PRECISIONS])
+
+
+def selected(methods, prefixes):
+    prefixes = [p for p in prefixes.split(",") if p]
+    return [m for m in methods if not prefixes or any(m.name.startswith(p) for p in prefixes)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running one method: agree on failures, time, measure memory, accuracy
+
+
+class Runner:
+    def __init__(self, args, mesh, device):
+        self.args, self.mesh, self.device = args, mesh, device
+        self.start = time.monotonic()
+
+    def agree(self, local_error, *values):
+        """All-reduce a failure flag and ``values`` (max over ranks); every rank gets the same."""
+        t = torch.tensor([float(local_error is not None), *values], dtype=torch.float64,
+                         device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        failed, *worst = t.tolist()
+        error = local_error or ("failed on another rank" if failed else None)
+        return error, worst
+
+    def over_budget(self):
+        mine = self.args.budget_s > 0 and time.monotonic() - self.start > self.args.budget_s
+        return self.agree("over" if mine else None)[0] is not None
+
+    def clean(self):
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def measure(self, method, ctx, reference, single_err):
+        """One row's numbers for ``method`` (errors as strings, never raised)."""
+        row = {"method": method.name, "kind": method.kind, "error": None}
+        cuda = self.device == "cuda"
+        gen = method.run(ctx)
+        error, acc = None, None
+        try:
+            forward, forward_backward, whole = next(gen)
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            error = describe(exc)
+        error, _ = self.agree(error)
+        if error is None:
+            try:
+                if reference is not None:
+                    acc = errors(whole(), reference)
+            except Exception as exc:  # noqa: BLE001
+                error = describe(exc)
+            error, _ = self.agree(error)
+        if error is None:
+            fwd_ms = fb_ms = mem = peak = 0.0
+            try:
+                self.clean()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                a = self.args
+                fwd_ms = local_median_ms(forward, a.warmup, a.iters, self.device)
+                fb_ms = local_median_ms(forward_backward, a.warmup, a.iters, self.device)
+                if cuda:
+                    peak = torch.cuda.max_memory_allocated()
+                    mem = peak - base
+            except Exception as exc:  # noqa: BLE001
+                error = describe(exc)
+            error, (fwd_ms, fb_ms, mem, peak) = self.agree(error, fwd_ms, fb_ms, mem, peak)
+            if error is None:
+                scale = ctx.world if method.kind == "ideal" else 1
+                row.update(fwd_ms=fwd_ms / scale, fwd_bwd_ms=fb_ms / scale,
+                           mem_gib=mem / 2**30 if cuda else None,
+                           peak_gib=peak / 2**30 if cuda else None)
+                if acc is not None:
+                    row["rel_rms"] = {n: acc[n]["rel_rms"] for n in NAMES}
+                    row["max_abs"] = {n: acc[n]["max_abs"] for n in NAMES}
+                    if single_err is not None:
+                        row["acc_ratio"] = {n: acc[n]["rel_rms"] / single_err[n]["rel_rms"]
+                                            for n in NAMES}
+        row["error"] = error
+        gen.close()  # leaves context_parallel, restores PyTorch's CP options
+        self.clean()
+        return row
+
+
+def describe(exc):
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep
+
+
+def configs(args):
+    base = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim)
+    out = []
+    for kv in args.kv_heads:
+        for tokens in args.tokens_per_gpu:
+            out.append(dict(base, tokens_per_gpu=tokens, kv_heads=kv, causal=not args.no_causal))
+    for tokens in args.also_non_causal:
+        out.append(dict(base, tokens_per_gpu=tokens, kv_heads=args.kv_heads[0], causal=False,
+                        methods=args.non_causal_methods))
+    return sorted(out, key=lambda c: c["tokens_per_gpu"])  # stable: a budget cut takes the largest
+
+
+def meta(args, world):
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv), "world_size": world, "device": args.device,
+            "torch": torch.__version__, "heads": args.heads, "head_dim": args.head_dim,
+            "batch": args.batch, "dtype": "bfloat16", "iters": args.iters,
+            "warmup": args.warmup, "fp32_backend": args.fp32_backend,
+            "torch_cp_kernel": args.torch_cp_kernel, "accuracy_max_seq": args.accuracy_max_seq}
+    try:
+        import triton  # noqa: PLC0415 - optional
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if args.device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), cudnn=torch.backends.cudnn.version(),
+                    cuda=torch.version.cuda)
+        try:
+            nccl = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        except Exception:  # noqa: BLE001 - a version string is not worth a failed run
+            info["nccl"] = None
+    return info
+
+
+def write_json(path, info, rows):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": info, "rows": rows}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def sweep(args, mesh, device, info):
+    world, rank = mesh.size(), mesh.get_local_rank()
+    runner = Runner(args, mesh, device)
+    rows = []
+    methods = selected(all_methods(device), args.methods)
+    for cfg in configs(args):
+        cfg = dict(cfg, seq=cfg["tokens_per_gpu"] * world)
+        chosen = selected(methods, cfg.pop("methods", ""))
+        label = {k: cfg[k] for k in ("tokens_per_gpu", "seq", "kv_heads", "causal")}
+        if runner.over_budget():
+            for method in chosen:
+                rows.append({**label, "method": method.name, "kind": method.kind,
+                             "error": f"skipped: past --budget-s {args.budget_s}"})
+            continue
+        accuracy = cfg["seq"] <= args.accuracy_max_seq
+        inputs, inputs64 = make_inputs(cfg, device, args.seed, accuracy)
+        ref = None
+        if accuracy:
+            ref = reference(*inputs64, cfg["causal"], 1.0 / cfg["head_dim"] ** 0.5)
+            del inputs64
+        ctx = Ctx(args, cfg, mesh, inputs)
+        single_err, ideal = None, None
+        for method in chosen:
+            if runner.over_budget():
+                row = {"method": method.name, "kind": method.kind,
+                       "error": f"skipped: past --budget-s {args.budget_s}"}
+            else:
+                row = runner.measure(method, ctx, ref, single_err)
+            row = {**label, **row}
+            if method.kind == "ideal" and row.get("fwd_ms") is not None and ideal is None:
+                ideal = row  # the first ideal that ran (cuDNN on CUDA) is the yardstick
+                if "rel_rms" in row:
+                    single_err = {n: {"rel_rms": row["rel_rms"][n]} for n in NAMES}
+                    row["acc_ratio"] = {n: 1.0 for n in NAMES}
+            if ideal is not None and row.get("fwd_ms") is not None:
+                row["ideal"] = ideal["method"]
+                row["frac_fwd"] = ideal["fwd_ms"] / row["fwd_ms"]
+                row["frac_fwd_bwd"] = ideal["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+            rows.append(row)
+            if rank == 0:
+                print(f"[{time.monotonic() - runner.start:6.1f}s] {fmt_row(row)}", flush=True)
+                if args.out:
+                    write_json(args.out, info, rows)
+        del ctx, inputs, ref
+        runner.clean()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def _f(x, spec):
+    return format(x, spec) if x is not None else "-"
+
+
+def fmt_row(r):
+    acc = r.get("acc_ratio")
+    acc = "/".join(f"{acc[n]:.2f}" for n in NAMES) if acc else "-"
+    head = (f"{r['tokens_per_gpu']:>6} {r['kv_heads']:>3} {'c' if r['causal'] else 'nc':>2} "
+            f"{r['method']:20}")
+    if r.get("error"):
+        return f"{head} ERROR {r['error']}"
+    return (f"{head} {_f(r.get('fwd_ms'), '9.3f')} {_f(r.get('frac_fwd'), '6.3f')} "
+            f"{_f(r.get('fwd_bwd_ms'), '10.3f')} {_f(r.get('frac_fwd_bwd'), '6.3f')} "
+            f"{_f(r.get('mem_gib'), '7.2f')}  {acc}")
+
+
+HEADER = (f"{'tok/GPU':>6} {'kv':>3} {'':>2} {'method':20} {'fwd ms':>9} {'frac':>6} "
+          f"{'fwd+bwd ms':>10} {'frac':>6} {'mem GiB':>7}  acc ratio out/dq/dk/dv")
+
+
+def print_table(info, rows):
+    print(f"W={info['world_size']} heads={info['heads']} d={info['head_dim']} bf16 "
+          f"{info.get('gpu', info['device'])} torch {info['torch']} cudnn {info.get('cudnn')} "
+          f"triton {info.get('triton')}")
+    print("frac = single-GPU cuDNN time over the whole sequence / W, divided by the row's time; "
+          "mem = peak the call adds on its inputs (ideal rows: one GPU, whole sequence)")
+    print(HEADER)
+    for r in rows:
+        print(fmt_row(r))
+
+
+# ---------------------------------------------------------------------------------------------
+# Profile
+
+
+def profile(args, mesh, device, path):
+    """torch.profiler over zigzag fp32 fwd+bwd: top kernels and where the GPU time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    rank, world = mesh.get_local_rank(), mesh.size()
+    gen = torch.Generator(device=device).manual_seed(args.seed + rank)
+    shape = (args.batch, args.heads, args.profile_tokens, args.head_dim)
+    q, k, v, dout = (torch.randn(shape, generator=gen, device=device).bfloat16()
+                     for _ in range(4))
+
+    def step():
+        fwd_bwd(lambda a, b, c: dr.ring_attention(a, b, c, mesh=mesh, schedule="zigzag",
+                                                  is_causal=True, backend=args.fp32_backend),
+                q, k, v, dout)
+
+    for _ in range(3):
+        step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    with torch_profile(activities=activities) as prof:
+        for _ in range(args.profile_iters):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    root, ext = os.path.splitext(path)
+    trace = f"{root}_r{rank}.trace.json"
+    prof.export_chrome_trace(trace)
+    lines = [f"zigzag fp32 fwd+bwd, W={world}, rank {rank}, {args.profile_tokens} tokens/GPU, "
+             f"{args.heads}/{args.heads} heads, d={args.head_dim}, causal bf16, "
+             f"{args.profile_iters} iterations profiled after 3 warm-up; torch {torch.__version__}",
+             ""]
+    lines += kernel_summary(trace, args.profile_iters)
+    averages = prof.key_averages()
+    for key in ("self_cuda_time_total", "cuda_time_total") if device == "cuda" else (
+            "self_cpu_time_total",):
+        lines += ["", f"key_averages sorted by {key}, top 25:"]
+        try:
+            lines.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=70))
+        except Exception as exc:  # noqa: BLE001 - newer torch: device_time
+            alt = key.replace("cuda", "device")
+            lines.append(averages.table(sort_by=alt, row_limit=25, max_name_column_width=70)
+                         if alt != key else describe(exc))
+    with open(f"{root}_r{rank}{ext}", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if rank == 0:
+        print("\n".join(lines[:40]), flush=True)
+    return trace
+
+
+CATEGORIES = [  # (category, substrings of the lower-cased kernel name), first match wins
+    ("nccl", ("nccl",)),
+    ("attention", ("sdpa", "fmha", "flash", "cudnn", "attention", "attn", "_fwd_kernel",
+                   "_bwd_")),
+    ("memcpy/memset", ("memcpy", "memset")),
+    ("copy/cast/cat (contiguous, stack, .to)", ("copy", "cat", "index")),
+    ("fill/zeros", ("fill",)),
+    ("reduce", ("reduce",)),
+    ("merge/accumulate elementwise", ("sigmoid", "log", "exp", "add", "sub", "mul", "div",
+                                      "elementwise")),
+]
+
+
+def category(name):
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(key in low for key in keys):
+            return cat
+    return "other"
+
+
+def _union(intervals):
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _subtract(intervals, cover):
+    """Length of ``intervals``' union not covered by ``cover``'s union."""
+    return _union(intervals + cover) - _union(cover)
+
+
+def kernel_summary(trace_path, iters):
+    """Per-category GPU time per iteration, and overlap: from the chrome trace's GPU events."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in
+           ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return ["(no GPU kernels in the trace)"]
+    span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
+    by_cat, by_name = {}, {}
+    for e in gpu:
+        cat = "memcpy/memset" if e["cat"] != "kernel" else category(e["name"])
+        by_cat.setdefault(cat, []).append(e)
+        by_name.setdefault(e["name"], [0.0, 0])
+        by_name[e["name"]][0] += e["dur"]
+        by_name[e["name"]][1] += 1
+    iv = {c: [(e["ts"], e["ts"] + e["dur"]) for e in es] for c, es in by_cat.items()}
+    compute = [x for c, xs in iv.items() if c != "nccl" for x in xs]
+    busy, comm = _union(compute), iv.get("nccl", [])
+    lines = [f"GPU span {span / iters / 1e3:.3f} ms/iter (first kernel start to last end / iters);"
+             f" non-NCCL kernels busy {busy / iters / 1e3:.3f} ms/iter "
+             f"({100 * busy / span:.1f}% of the span); idle (no kernel at all) "
+             f"{(span - _union(compute + comm)) / iters / 1e3:.3f} ms/iter",
+             f"NCCL kernels {_union(comm) / iters / 1e3:.3f} ms/iter, of which not overlapped by "
+             f"any compute kernel {_subtract(comm, compute) / iters / 1e3:.3f} ms/iter "
+             "(NCCL kernels also spin while waiting for the peer)",
+             "", f"{'category':40} {'ms/iter':>9} {'calls/iter':>10} {'% of busy':>9}"]
+    for cat, es in sorted(by_cat.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        t = sum(e["dur"] for e in es)
+        lines.append(f"{cat:40} {t / iters / 1e3:9.3f} {len(es) / iters:10.1f} "
+                     f"{100 * t / busy:9.1f}")
+    lines += ["", "top 25 GPU kernels by total time:",
+              f"{'ms/iter':>9} {'calls/iter':>10}  name"]
+    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]:
+        lines.append(f"{t / iters / 1e3:9.3f} {n / iters:10.1f}  {name[:150]}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.plot_only:
+        from speed_plot import plot  # noqa: PLC0415
+        with open(args.plot_only) as f:
+            data = json.load(f)
+        print_table(data["meta"], data["rows"])
+        if args.plot:
+            print("plot:", args.plot if plot(data, args.plot) else "matplotlib missing")
+        return
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=120))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh(device, (world,))
+    info = meta(args, world)
+    if args.profile:
+        try:
+            profile(args, mesh, device, args.profile)
+        except Exception as exc:  # noqa: BLE001 - the sweep still runs
+            print(f"rank {rank}: profile failed: {describe(exc)}", flush=True)
+        dist.barrier()
+    rows = sweep(args, mesh, device, info)
+    if rank == 0:
+        print()
+        print_table(info, rows)
+        if args.out:
+            write_json(args.out, info, rows)
+        if args.plot:
+            try:
+                from speed_plot import plot  # noqa: PLC0415
+                print("plot:", args.plot if plot({"meta": info, "rows": rows}, args.plot)
+                      else "matplotlib missing: python bench/speed.py --plot-only JSON --plot PNG")
+            except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
+                print("plot failed:", describe(exc))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The speed benchmark's PNG (bench/speed.py): fraction of the single-GPU cuDNN ideal vs tokens per
+GPU, one line per method, forward and forward+backward panels, one row of panels per kv-heads
+setting (causal configs; a non-causal config shows as hollow markers). matplotlib is optional:
+``plot`` returns False without it, and ``python bench/speed.py --plot-only JSON --plot PNG`` makes
+the picture later from the JSON on any machine."""
+
+_COLORS = {"ring": "C0", "zigzag": "C1", "stripe": "C2", "llama3": "C3",
+           "torch_cp_allgather": "C4", "torch_cp_alltoall": "C5", "ideal_flash": "0.5",
+           "ideal_cudnn": "k", "ideal_cpu": "k"}
+
+
+def _style(method):
+    if method.startswith("ideal"):
+        return _COLORS.get(method, "k"), ":"
+    if method.startswith("torch_cp"):
+        return _COLORS.get(method, "C6"), "-."
+    schedule, _, precision = method.rpartition("_")
+    return _COLORS.get(schedule, "C7"), "--" if precision == "exact" else "-"
+
+
+def plot(data, path) -> bool:
+    try:
+        import matplotlib  # noqa: PLC0415 - optional
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return False
+    meta, rows = data["meta"], [r for r in data["rows"] if r.get("frac_fwd") is not None]
+    kvs = sorted({r["kv_heads"] for r in rows}, reverse=True)
+    if not kvs:
+        return False
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    panels = (("frac_fwd", "forward"), ("frac_fwd_bwd", "forward+backward"))
+    fig, axes = plt.subplots(len(kvs), 2, figsize=(12, 4.2 * len(kvs)), squeeze=False)
+    for i, kv in enumerate(kvs):
+        for j, (key, title) in enumerate(panels):
+            ax = axes[i][j]
+            for method in methods:
+                color, line = _style(method)
+                pts = sorted((r["tokens_per_gpu"], r[key]) for r in rows
+                             if r["method"] == method and r["kv_heads"] == kv and r["causal"])
+                if pts:
+                    ax.plot(*zip(*pts), line, marker="o", markersize=3, color=color,
+                            label=method)
+                nc = [(r["tokens_per_gpu"], r[key]) for r in rows
+                      if r["method"] == method and r["kv_heads"] == kv and not r["causal"]]
+                if nc:
+                    ax.plot(*zip(*nc), "o", markersize=7, markerfacecolor="none", color=color,
+                            label=f"{method} (non-causal)")
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ticks = sorted({r["tokens_per_gpu"] for r in rows})
+            ax.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
+            ax.minorticks_off()
+            ax.set_ylim(0, 1.25)
+            ax.set_xlabel("tokens per GPU")
+            ax.set_ylabel("fraction of cuDNN ideal")
+            ax.set_title(f"{title}, {meta['heads']}/{kv} heads", fontsize=10)
+            ax.grid(alpha=0.3)
+        axes[i][1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle(f"W={meta['world_size']} {meta.get('gpu', meta.get('device'))}, "
+                 f"d={meta['head_dim']}, bf16; torch {meta['torch']}, cuDNN {meta.get('cudnn')}; "
+                 "ideal = single-GPU cuDNN over the whole sequence / W", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
