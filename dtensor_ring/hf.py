@@ -1,0 +1,176 @@
+"""Context parallelism for a Hugging Face transformers causal LM: ``dtensor_ring.hf.apply``.
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import dtensor_ring as dr
+    import dtensor_ring.hf
+
+    model = LlamaForCausalLM(LlamaConfig(..., attn_implementation="sdpa"))
+    model = dtensor_ring.hf.apply(model, mesh["cp"], schedule="auto")
+    loss = model(input_ids=ids, labels=labels).loss    # the FULL batch, the same on every rank
+    loss.backward()
+    dr.dtensor.sync_gradients(model, mesh["cp"])        # gradients of the whole sequence
+    # for logging: the whole sequence's loss is the mean of ``loss`` over the cp ranks
+
+Every rank passes the whole (global) batch, as without context parallelism. ``apply`` puts a
+``ContextParallel`` style (``dtensor/style.py``) on the model, which shards the sequence inputs
+(``input_ids``, ``inputs_embeds``, ``labels``, ``position_ids``) in the schedule's layout and fills
+each rank's global ``position_ids`` (RoPE right), and switches the model's attention to the
+``"dtensor_ring"`` implementation of transformers' ``AttentionInterface``, which runs
+``dr.ring_attention`` (causal, the module's scale, GQA without repeating K/V heads). transformers
+builds no mask for an implementation it has no mask function for, so no dense causal mask exists.
+
+Labels: transformers shifts ``labels`` inside the model (``labels[..., 1:]``), which would cross
+shard boundaries. Before sharding, ``apply``'s hook shifts them over the whole sequence and passes
+them as ``shift_labels``, and passes ``num_items_in_batch`` = (the global count of labels that are
+not -100, or the caller's ``num_items_in_batch``) / mesh size. Each rank's ``loss`` is then the sum
+of its tokens' losses / that number: the mean of ``loss`` over the ranks is the loss of the whole
+batch exactly, however the ignored labels fall, and averaging gradients over the ranks
+(``sync_gradients``, or DDP/FSDP over data x context) gives the unsharded model's gradients.
+Outputs (``logits``) hold this rank's tokens in the layout's order (``dr.unshard_sequence`` with
+``dim=1`` and ``layout=dr.SCHEDULE_LAYOUT[schedule]`` gives the natural order back).
+
+Refused with a ``ValueError`` naming the argument: a model that is not a transformers causal LM
+with SDPA attention through ``AttentionInterface`` (``config._attn_implementation`` must be
+``"sdpa"``), sliding-window attention, a mesh that is not a 1-D ``DeviceMesh``, an unknown schedule
+or precision; at call time an ``attention_mask`` with zeros (padding: pack or use equal lengths; an
+all-ones mask is dropped), a KV cache (``past_key_values``, ``use_cache=True``), ``logits_to_keep``,
+attention dropout in training, non-causal attention, and (from ``dr``'s layouts) a sequence length
+the layout cannot split. Needs a transformers whose causal-LM loss takes ``shift_labels``
+(``pip install 'dtensor_ring[hf]'``).
+"""
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from .attention import ring_attention
+from .dtensor.style import ContextParallel
+
+NAME = "dtensor_ring"  # the attention implementation's name in transformers' registry
+SETTINGS = "dtensor_ring_settings"  # the keyword that carries them down to the attention calls
+IGNORE = -100
+
+
+class _Settings(NamedTuple):
+    mesh: DeviceMesh
+    schedule: str
+    precision: str
+    backend: str
+
+
+def apply(model, mesh, schedule: str = "auto", precision: str = "fp32", backend: str = "auto"):
+    """Make the transformers causal LM ``model`` train with context parallelism over ``mesh``
+    (1-D, e.g. ``mesh["cp"]``), running attention as ``schedule``; returns ``model``."""
+    _check_model(model)
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ValueError(f"mesh={mesh!r} must be a 1-D DeviceMesh (e.g. mesh['cp'] of a larger "
+                         "one)")
+    style = _CausalLMContextParallel(schedule, precision=precision, backend=backend)
+    model = parallelize_module(model, mesh, style)
+    model.set_attn_implementation(NAME)
+    return model
+
+
+def _check_model(model) -> None:
+    causal_lm = isinstance(model, PreTrainedModel) and getattr(model, "loss_type", None) == (
+        "ForCausalLM") and model.loss_function is ForCausalLMLoss
+    if not causal_lm:
+        raise ValueError(f"model must be a transformers causal LM (e.g. LlamaForCausalLM); got "
+                         f"{type(model).__name__}")
+    config = model.config
+    if not model._supports_attention_backend or config._attn_implementation != "sdpa":
+        raise ValueError(
+            f"model.config._attn_implementation={config._attn_implementation!r} "
+            f"({type(model).__name__}): valid is 'sdpa' in a model whose attention goes through "
+            "transformers' AttentionInterface (load it with attn_implementation='sdpa')")
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    if layer_types - {"full_attention"} or (window and getattr(config, "use_sliding_window", True)):
+        raise ValueError(f"model.config has sliding_window={window!r}, layer_types "
+                         f"{sorted(layer_types)}: sliding-window attention is not supported; "
+                         "valid: full (causal) attention only")
+
+
+class _CausalLMContextParallel(ContextParallel):
+    """``ContextParallel`` for a transformers causal LM: before sharding, check the call, shift the
+    labels over the whole sequence and count them; after, add the attention settings."""
+
+    def _shard_inputs(self, names, args, kwargs, mesh, fill):
+        named = dict(zip(names, args))
+        named.update(kwargs)
+        _check_call(named)
+        named.pop("attention_mask", None)  # all ones: the same as none
+        named["use_cache"] = False
+        world = dist.get_world_size(mesh.get_group())
+        num_items = _global_labels(named, world)
+        _, named = super()._shard_inputs(names, (), named, mesh, fill)
+        if num_items is not None:
+            named["num_items_in_batch"] = num_items
+        named[SETTINGS] = _Settings(mesh, self.schedule, self.precision, self.backend)
+        return (), named
+
+
+def _check_call(named) -> None:
+    mask = named.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
+        raise ValueError(
+            f"attention_mask of shape {tuple(mask.shape)} is not an all-ones 2-D mask (padding "
+            "or a custom mask), which context parallelism does not support; valid: None or all "
+            "ones (pack the sequences or use equal lengths)")
+    if named.get("past_key_values") is not None or named.get("use_cache"):
+        raise ValueError("past_key_values / use_cache=True (a KV cache for decoding) is not "
+                         "supported with context parallelism; valid: None / False")
+    if not isinstance(named.get("logits_to_keep", 0), int) or named.get("logits_to_keep", 0):
+        raise ValueError(f"logits_to_keep={named['logits_to_keep']!r} is not supported with "
+                         "context parallelism (each rank holds scattered tokens); valid: 0")
+
+
+def _global_labels(named, world):
+    """Shift ``labels`` over the whole sequence into ``shift_labels`` (unless the caller gave
+    them) and return ``num_items_in_batch`` / ``world`` (None without labels)."""
+    ignore = named.get("ignore_index", IGNORE)
+    labels = named.get("labels")
+    if labels is not None and named.get("shift_labels") is None:
+        named["shift_labels"] = F.pad(labels[..., 1:], (0, 1), value=ignore)
+    shifted = named.get("shift_labels")
+    if shifted is None:
+        return None
+    count = named.pop("num_items_in_batch", None)
+    if count is None:
+        count = (shifted != ignore).sum()
+    return torch.as_tensor(count, dtype=torch.float32, device=shifted.device) / world
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+               sliding_window=None, is_causal=None, **kwargs):
+    """transformers' attention interface -> ``dr.ring_attention`` on this rank's tokens;
+    returns (output [batch, seq, heads, head_dim], None)."""
+    settings = kwargs.get(SETTINGS)
+    if settings is None:
+        raise ValueError(f"attention implementation {NAME!r} runs only in a model prepared by "
+                         "dtensor_ring.hf.apply(model, mesh)")
+    if attention_mask is not None:
+        raise ValueError(f"attention_mask ({type(attention_mask).__name__}) reached the "
+                         f"{NAME!r} attention; valid: None (causal attention only)")
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} (config.attention_dropout, in training) "
+                         "is not supported with context parallelism; valid: 0.0")
+    if sliding_window is not None:
+        raise ValueError(f"sliding_window={sliding_window!r} is not supported with context "
+                         "parallelism; valid: None")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if not causal:
+        raise ValueError(f"is_causal={causal!r} ({type(module).__name__}): only causal "
+                         "attention is supported; valid: True")
+    out = ring_attention(query, key, value, mesh=settings.mesh, schedule=settings.schedule,
+                         is_causal=True, scale=scaling, precision=settings.precision,
+                         backend=settings.backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, _attention)
