@@ -1,0 +1,248 @@
+"""``dtensor_ring.hf.apply`` on a stock transformers ``LlamaForCausalLM`` (2 layers, hidden 64, 4 q /
+2 kv heads, vocab 256, random weights from a local config) on 4 gloo processes, at W = 2 (the "cp"
+dimension of a (dp=2, cp=2) mesh) and W = 4 (all of them): every rank passes the whole batch; the
+mean of the ranks' losses and the cp-averaged gradients (``sync_gradients``) equal the unsharded
+model's on one process, for zigzag and llama3 (and auto at W = 2), and each rank's logits equal its
+shard of the unsharded logits. The labels have -100 runs placed so that the ranks count different
+numbers of tokens, and the test checks that this matters: a mean of per-rank means would miss the
+tolerance by 100x.
+
+Reference: the stock model in float64 with the causal-LM loss computed in float64 outside it
+(transformers computes RMSNorm, RoPE angles and its own loss in fp32 even then, so the reference
+is good to ~1e-7), and the stock fp32 model with its own ``labels=`` loss. Tolerance, as in
+test_context_parallel.py: fp32 rel-RMS <= 1e-5 for the loss and for every parameter's gradient
+(the fp32 model on one process is itself ~3e-6 from float64 in its worst gradient). Two
+deliberately wrong setups must miss it by 100x: each rank's tokens at local positions 0..L-1
+(RoPE as a model without context parallelism sees them), and labels shifted inside each shard
+(what transformers' own shift does to sharded labels). Every rank asserts.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+transformers = pytest.importorskip("transformers")
+
+import dtensor_ring as dr  # noqa: E402
+from dtensor_ring import hf  # noqa: E402
+from dtensor_ring.numerics import rel_rms  # noqa: E402
+from dist_utils import run_on_ranks  # noqa: E402
+from dtensor_helpers import expect_error  # noqa: E402
+
+BATCH, SEQ, VOCAB = 2, 64, 256
+FP32_LIMIT = 1e-5
+WRONG_FACTOR = 100
+
+
+def _config(**overrides):
+    # initializer_range 0.2 (not 0.02): attention far from uniform, so positions matter.
+    options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+                   attn_implementation="sdpa")
+    return transformers.LlamaConfig(**{**options, **overrides})
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(_config(**overrides))
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, :13] = -100   # the ranks count different numbers of tokens
+    labels[1, 37:45] = -100
+    return ids, labels
+
+
+def _grads(model):
+    return {name: p.grad.double() for name, p in model.named_parameters()}
+
+
+def _reference(base, ids, labels, weights=None):
+    """float64 stock model, causal-LM loss in float64 (token t's loss times ``weights[:, t]``,
+    default 1 / the number of counted tokens): loss, grads, logits."""
+    model = copy.deepcopy(base).double()
+    logits = model(input_ids=ids).logits
+    counted = F.pad(labels[:, 1:] != -100, (0, 1))
+    if weights is None:
+        weights = counted.double() / counted.sum()
+    token_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                 ignore_index=-100, reduction="none")
+    loss = (F.pad(token_loss.view(BATCH, -1), (0, 1)) * weights).sum()
+    loss.backward()
+    return loss.detach(), _grads(model), logits.detach()
+
+
+def _single(base, ids, labels):
+    model = copy.deepcopy(base)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach().double(), _grads(model)
+
+
+def _context_parallel(model, mesh, **inputs):
+    """Mean of the ranks' losses, cp-averaged gradients, this rank's logits."""
+    out = model(**inputs)
+    out.loss.backward()
+    dr.dtensor.sync_gradients(model, mesh)
+    loss = out.loss.detach().double()
+    dist.all_reduce(loss, group=mesh.get_group())
+    return loss / mesh.size(), _grads(model), out.logits.detach()
+
+
+def _worst(result, reference):
+    """(loss rel-RMS, worst parameter, its gradient rel-RMS)."""
+    per_param = {n: rel_rms(result[1][n], g) for n, g in reference[1].items()}
+    worst = max(per_param, key=per_param.get)
+    return rel_rms(result[0], reference[0]), worst, per_param[worst]
+
+
+def _parity(mesh, failures, label, schedules):
+    base = _model()
+    ids, labels = _batch()
+    reference = _reference(base, ids, labels)
+    single = _single(base, ids, labels)
+    loss_err, worst, grad_err = _worst(single, reference)
+    if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
+        failures.append(f"{label}: the fp32 model itself is {loss_err:.2e} / {worst} "
+                        f"{grad_err:.2e} from float64")
+    counts_check = _labels_matter(base, ids, labels, reference, mesh.size())
+    if counts_check:
+        failures.append(f"{label}: {counts_check}")
+    for schedule in schedules:
+        where = f"{label} {schedule}"
+        model = hf.apply(copy.deepcopy(base), mesh, schedule=schedule)
+        result = _context_parallel(model, mesh, input_ids=ids, labels=labels)
+        for name, ref in (("float64", reference), ("fp32 single", single)):
+            loss_err, worst, grad_err = _worst(result, ref)
+            if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
+                failures.append(f"{where} vs {name}: loss {loss_err:.2e}, worst grad {worst} "
+                                f"{grad_err:.2e} > {FP32_LIMIT}")
+        layout = dr.SCHEDULE_LAYOUT[schedule]
+        logits_ref = dr.shard_sequence(reference[2], mesh, dim=1, layout=layout)
+        logits_err = rel_rms(result[2].double(), logits_ref)
+        if not logits_err <= FP32_LIMIT:
+            failures.append(f"{where}: this rank's logits {logits_err:.2e} from its shard")
+    _wrong_setups(mesh, failures, label, base, ids, labels, reference)
+
+
+def _labels_matter(base, ids, labels, reference, world):
+    """The test data must catch a per-rank mean (each rank dividing by its own count of labels):
+    '' if that misses the tolerance by 100x, else why not."""
+    counted = F.pad(labels[:, 1:] != -100, (0, 1))
+    weights, counts = torch.zeros(counted.shape, dtype=torch.float64), []
+    for rank in range(world):
+        index = dr.LAYOUTS["zigzag"].positions(SEQ // world, rank, world)
+        counts.append(int(counted[:, index].sum()))
+        weights[:, index] = counted[:, index].double() / (world * counts[-1])
+    loss_err, worst, grad_err = _worst(_reference(base, ids, labels, weights), reference)
+    if not max(loss_err, grad_err) > WRONG_FACTOR * FP32_LIMIT:
+        return (f"per-rank counts {counts}: a per-rank mean is only {loss_err:.2e} / {worst} "
+                f"{grad_err:.2e} off")
+    return ""
+
+
+def _wrong_setups(mesh, failures, label, base, ids, labels, reference):
+    """The adapter's two fixes undone, through its inputs: both must miss the tolerance."""
+    layout, local = "zigzag", SEQ // mesh.size()
+    local_positions = torch.arange(local).expand(BATCH, local)
+    shifted_locally = F.pad(dr.shard_sequence(labels, mesh, dim=1, layout=layout)[:, 1:], (0, 1),
+                            value=-100)
+    cases = {
+        "local positions": dict(position_ids=dr.unshard_sequence(
+            local_positions, mesh, dim=1, layout=layout)),
+        "labels shifted per shard": dict(shift_labels=dr.unshard_sequence(
+            shifted_locally, mesh, dim=1, layout=layout)),
+    }
+    for name, extra in cases.items():
+        model = hf.apply(copy.deepcopy(base), mesh, schedule="zigzag")
+        result = _context_parallel(model, mesh, input_ids=ids, labels=labels, **extra)
+        loss_err, worst, grad_err = _worst(result, reference)
+        if not max(loss_err, grad_err) > WRONG_FACTOR * FP32_LIMIT:
+            failures.append(f"{label} wrong setup '{name}' passed: loss {loss_err:.2e}, worst "
+                            f"grad {worst} {grad_err:.2e}")
+
+
+def _call_errors(mesh, mesh2d, failures):
+    ids, labels = _batch()
+    model = hf.apply(_model(), mesh, schedule="zigzag")
+    padding = torch.ones_like(ids)
+    padding[1, -5:] = 0
+    expect_error(failures, "padding mask", ValueError,
+                 lambda: model(input_ids=ids, labels=labels, attention_mask=padding),
+                 "attention_mask", "padding", "valid: None or all ones")
+    same = model(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids)).loss
+    if not torch.equal(same, model(input_ids=ids, labels=labels).loss):
+        failures.append("an all-ones attention_mask changed the loss")
+    expect_error(failures, "length not divisible", ValueError,
+                 lambda: model(input_ids=ids[:, :SEQ - 2], labels=labels[:, :SEQ - 2]),
+                 f"input_ids.shape[1]={SEQ - 2}", "zigzag")
+    expect_error(failures, "use_cache", ValueError,
+                 lambda: model(input_ids=ids, use_cache=True), "use_cache", "False")
+    expect_error(failures, "logits_to_keep", ValueError,
+                 lambda: model(input_ids=ids, logits_to_keep=1), "logits_to_keep=1", "valid: 0")
+    expect_error(failures, "non-causal", ValueError,
+                 lambda: model(input_ids=ids, is_causal=False), "is_causal=False", "True")
+    dropout = hf.apply(_model(attention_dropout=0.1), mesh).train()
+    expect_error(failures, "dropout in training", ValueError,
+                 lambda: dropout(input_ids=ids, labels=labels), "dropout=0.1",
+                 "attention_dropout", "0.0")
+    dropout.eval()(input_ids=ids)  # no dropout in eval: runs
+    expect_error(failures, "applied twice", ValueError, lambda: hf.apply(model, mesh),
+                 "_attn_implementation='dtensor_ring'", "'sdpa'")
+    expect_error(failures, "unknown schedule", ValueError,
+                 lambda: hf.apply(_model(), mesh, schedule="ringg"), "schedule='ringg'", "llama3")
+    expect_error(failures, "unknown precision", ValueError,
+                 lambda: hf.apply(_model(), mesh, precision="fp64"), "precision='fp64'", "exact")
+    expect_error(failures, "2-D mesh", ValueError, lambda: hf.apply(_model(), mesh2d),
+                 "mesh=", "1-D DeviceMesh")
+    expect_error(failures, "process group", ValueError,
+                 lambda: hf.apply(_model(), mesh.get_group()), "mesh=", "1-D DeviceMesh")
+
+
+def _ranks(mesh2d):
+    """W = 2 on mesh2d["cp"] (a named dimension of a (dp, cp) mesh), W = 4 on all ranks."""
+    failures = []
+    whole = init_device_mesh("cpu", (mesh2d.size(),))
+    for mesh, schedules in ((mesh2d["cp"], ("zigzag", "llama3", "auto")),
+                            (whole, ("zigzag", "llama3"))):
+        label = f"rank {dist.get_rank()}: cp rank {mesh.get_local_rank()}/{mesh.size()}"
+        _parity(mesh, failures, label, schedules)
+    _call_errors(mesh2d["cp"], mesh2d, failures)
+    assert not failures, "\n".join(failures)
+
+
+def test_hf_llama_matches_single_process():
+    run_on_ranks(4, _ranks, mesh_shape=(2, 2), mesh_dim_names=("dp", "cp"))
+
+
+def _mistral_sliding_window():
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2, sliding_window=16,
+                                        attn_implementation="sdpa")
+    return transformers.MistralForCausalLM(config)
+
+
+@pytest.mark.parametrize("make, fragments", [
+    (lambda: transformers.LlamaModel(_config()), ("model must be", "LlamaModel")),
+    (lambda: torch.nn.Linear(4, 4), ("model must be", "Linear")),
+    (lambda: _model(attn_implementation="eager"), ("_attn_implementation='eager'", "'sdpa'")),
+    (_mistral_sliding_window, ("sliding_window=16", "full (causal) attention")),
+], ids=["base model", "not transformers", "eager attention", "sliding window"])
+def test_hf_apply_refuses_models(make, fragments):
+    with pytest.raises(ValueError) as error:
+        hf.apply(make(), mesh=None)
+    assert all(f in str(error.value) for f in fragments), str(error.value)
+
+
+def test_hf_attention_needs_apply():
+    model = _model()
+    model.set_attn_implementation(hf.NAME)
+    with pytest.raises(ValueError, match=r"dtensor_ring\.hf\.apply"):
+        model(input_ids=_batch()[0])
