@@ -51,6 +51,10 @@ import dtensor_ring as dr
 from dtensor_ring.numerics import NAMES, errors, fwd_bwd, rel_rms
 from timing import local_median_ms
 
+# The real SDPA, taken before anything can patch it: PyTorch's context_parallel replaces
+# F.scaled_dot_product_attention while it is active (and on torch 2.11 does not put it back if its
+# generator is closed instead of run to the end), so the single-GPU rows call this one.
+SDPA = F.scaled_dot_product_attention
 SCHEDULES = ("ring", "zigzag", "stripe", "llama3")
 PRECISIONS = ("fp32", "exact")
 ROTATIONS = ("allgather", "alltoall")
@@ -171,8 +175,7 @@ class Ideal:
 
         def single(a, b, c):
             with sdpa_kernel(self.backend) if self.backend is not None else _nullcontext():
-                return F.scaled_dot_product_attention(a, b, c, is_causal=ctx.causal,
-                                                      enable_gqa=ctx.gqa)
+                return SDPA(a, b, c, is_causal=ctx.causal, enable_gqa=ctx.gqa)
 
         def forward():
             with torch.no_grad():
@@ -373,7 +376,12 @@ class Runner:
                         row["acc_ratio"] = {n: acc[n]["rel_rms"] / single_err[n]["rel_rms"]
                                             for n in NAMES}
         row["error"] = error
-        gen.close()  # leaves context_parallel, restores PyTorch's CP options
+        # Run the method's generator to its end (not close(): torch 2.11's context_parallel has no
+        # try/finally around its yield, so only a normal exit unpatches SDPA).
+        next(gen, None)
+        if F.scaled_dot_product_attention is not SDPA:  # never let a patch leak into later rows
+            F.scaled_dot_product_attention = SDPA
+            row["note"] = "F.scaled_dot_product_attention was left patched; restored"
         self.clean()
         return row
 
