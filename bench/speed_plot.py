@@ -5,7 +5,7 @@ setting (causal configs; a non-causal config shows as hollow markers). matplotli
 the picture later from the JSON on any machine."""
 
 _COLORS = {"ring": "C0", "zigzag": "C1", "stripe": "C2", "llama3": "C3",
-           "torch_cp_allgather": "C4", "torch_cp_alltoall": "C5", "ideal_flash": "0.5",
+           "torch_cp_allgather": "C4", "torch_cp_alltoall": "C9", "ideal_flash": "0.5",
            "ideal_cudnn": "k", "ideal_cpu": "k"}
 
 
