@@ -1,0 +1,82 @@
+"""The Triton merge (``triton_merge.py``, the CUDA entry of ``merge.MERGES``) against the torch merge
+and float64: on a GPU compiled, on CPU under TRITON_INTERPRET=1 (set here before the kernel is
+first imported; skipped where triton is not installed).
+
+Tolerance: the torch and Triton forms round differently (exp/log approximations, operation order),
+so they agree to a few fp32 ulps, not bit for bit: 2e-6 relative on out and lse of order 1..10.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from dtensor_ring.merge import MERGES, init_, merge_, torch_merge_, triton_merge_  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _buffers(gen, batch, heads, seq, head_dim):
+    """fp32 (out, lse) buffers of twice the rows; the merges go into their middle rows."""
+    return (torch.randn(batch, heads, 2 * seq, head_dim, generator=gen).to(DEVICE),
+            (torch.randn(batch, heads, 2 * seq, generator=gen) * 3).to(DEVICE))
+
+
+def _rows(buffers, seq):
+    """Row-slice views, as the schedules merge them."""
+    return [x[:, :, seq // 2:seq // 2 + seq] for x in buffers]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [16, 80])
+def test_triton_merge_is_the_torch_merge(dtype, head_dim):
+    gen = torch.Generator().manual_seed(0)
+    buffers = _buffers(gen, 2, 3, 40, head_dim)
+    out, lse = _rows(buffers, 40)
+    block_out = torch.randn(2, 3, 40, head_dim, generator=gen).to(dtype).to(DEVICE)
+    block_lse = (torch.randn(2, 3, 40, generator=gen) * 3).to(DEVICE)
+    block_lse[0, 0, :4] = torch.tensor([400.0, -400.0, float("-inf"), 0.0])  # dominant, negligible
+    block_lse = block_lse.unsqueeze(-1)[..., 0]  # a strided view, as cuDNN's LSE is
+    expected = [out.clone(), lse.clone()]
+    torch_merge_(*expected, block_out, block_lse)
+    merged = [x.clone() for x in buffers]
+    got = _rows(merged, 40)
+    triton_merge_(*got, block_out, block_lse)
+    for name, g, e in zip(("out", "lse"), got, expected):
+        assert torch.allclose(g, e, rtol=2e-6, atol=2e-6), f"{name}: {(g - e).abs().max()}"
+    # block_lse = -inf leaves the row as it was.
+    assert torch.equal(got[0][0, 0, 2], out[0, 0, 2]) and got[1][0, 0, 2] == lse[0, 0, 2]
+    # Rows outside the views are untouched (the kernel writes through the strides).
+    for m, b in zip(merged, buffers):
+        assert torch.equal(m[:, :, :20], b[:, :, :20]) and torch.equal(m[:, :, 60:], b[:, :, 60:])
+
+
+def test_triton_merge_of_split_keys_is_softmax_over_all_keys_in_float64():
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(2, 3, 33, 20, generator=gen, dtype=torch.float64) * 4
+    values = torch.randn(2, 3, 20, 16, generator=gen, dtype=torch.float64)
+
+    def partial(cols):
+        s, v = scores[..., cols], values[..., cols, :]
+        return (torch.softmax(s, -1) @ v).float().to(DEVICE), torch.logsumexp(s, -1).float().to(
+            DEVICE)
+
+    out = torch.empty(2, 3, 33, 16, device=DEVICE)
+    lse = torch.empty(2, 3, 33, device=DEVICE)
+    init_(out, lse, *partial(slice(0, 7)))
+    triton_merge_(out, lse, *partial(slice(7, 15)))
+    triton_merge_(out, lse, *partial(slice(15, 20)))
+    assert (out.cpu().double() - torch.softmax(scores, -1) @ values).abs().max() < 1e-6
+    assert (lse.cpu().double() - torch.logsumexp(scores, -1)).abs().max() < 4e-6
+    triton_merge_(out, lse, *partial(slice(15, 20)))  # a block twice is wrong and must show
+    assert (out.cpu().double() - torch.softmax(scores, -1) @ values).abs().max() > 1e-3
+
+
+def test_the_registry_runs_triton_on_cuda_and_torch_elsewhere():
+    assert MERGES["other"] is torch_merge_ and MERGES["cuda"] is triton_merge_
+    out, lse = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2)
+    merge_(out, lse, torch.ones(1, 1, 2, 4), torch.zeros(1, 1, 2))  # CPU: the torch form
+    assert torch.equal(out, torch.full_like(out, 0.5))
