@@ -16,15 +16,17 @@ import torch.distributed as dist
 
 
 class Pending(Protocol):
-    def wait(self) -> torch.Tensor: ...
+    def wait(self): ...
 
 
 class Communicator(Protocol):
     rank: int
     world_size: int
 
-    def send_recv_next(self, tensor: torch.Tensor) -> Pending:
-        """Send ``tensor`` to rank+1 and receive a tensor of the same shape from rank-1 (mod W)."""
+    def send_recv_next(self, tensors: list[torch.Tensor]) -> Pending:
+        """Send ``tensors`` to rank+1 and receive tensors of the same shapes from rank-1 (mod W);
+        ``wait()`` gives the list. One message per tensor, posted together: K and V travel
+        without being copied into one buffer first."""
 
     def all_gather(self, tensor: torch.Tensor) -> Pending:
         """Every rank's ``tensor`` stacked along a new leading dim of size W, in rank order."""
@@ -76,13 +78,14 @@ class ProcessGroupComm:
         # NCCL sums in its own (fast) order; on gloo we sum in rank order to match the simulator.
         self._native_reduce_scatter = dist.get_backend(group) == "nccl"
 
-    def send_recv_next(self, tensor):
+    def send_recv_next(self, tensors):
         if self.world_size == 1:
-            return _Done(tensor)
-        received = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, self._next, self.group),
-               dist.P2POp(dist.irecv, received, self._prev, self.group)]
-        return _Works(dist.batch_isend_irecv(ops), received)
+            return _Done(list(tensors))
+        tensors = [t.contiguous() for t in tensors]  # P2P needs dense buffers (a model's k/v
+        received = [torch.empty_like(t) for t in tensors]  # may be transposed views)
+        ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
+        return _Works(dist.batch_isend_irecv(ops), received)  # one NCCL group: one kernel
 
     def all_gather(self, tensor):
         # The collectives concatenate along dim 0; flatten the leading dims so any rank works.
@@ -112,20 +115,31 @@ class _Wait:
         return self.finish(done) if self.finish else done
 
 
+class _WaitAll:
+    def __init__(self, pendings):
+        self.pendings = pendings
+
+    def wait(self):
+        return [p.wait() for p in self.pendings]
+
+
 class FunctionalComm:
     """``Communicator`` as ``_c10d_functional`` ops (traceable by make_fx/Dynamo; on torch 2.11+).
 
-    The ring shift is an ``all_to_all_single`` with one non-zero split each way: everything to
-    rank+1, everything from rank-1, i.e. a P2P exchange that the graph can hold on every supported
-    torch version. Posting returns at once; ``wait()`` emits the ``wait_tensor``.
+    The ring shift is an ``all_to_all_single`` per tensor with one non-zero split each way:
+    everything to rank+1, everything from rank-1, i.e. a P2P exchange that the graph can hold on
+    every supported torch version. Posting returns at once; ``wait()`` emits the ``wait_tensor``s.
     """
 
     def __init__(self, group_name: str, rank: int, world_size: int):
         self.group_name, self.rank, self.world_size = group_name, rank, world_size
 
-    def send_recv_next(self, tensor):
+    def send_recv_next(self, tensors):
         if self.world_size == 1:
-            return _Done(tensor)
+            return _Done(list(tensors))
+        return _WaitAll([self._shift(t) for t in tensors])
+
+    def _shift(self, tensor):
         rows = tensor.shape[0]
         send = [rows if r == (self.rank + 1) % self.world_size else 0
                 for r in range(self.world_size)]

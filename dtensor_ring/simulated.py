@@ -21,10 +21,13 @@ class SimWorld:
         self._cond = threading.Condition()
         self.error: BaseException | None = None
 
-    def post(self, src, dst, seq, tensor):
+    def post(self, src, dst, seq, message):
+        """``message``: a tensor or a list of tensors."""
         with self._cond:
-            # A copy, as a wire would make: the sender may reuse its buffer after posting.
-            self._mail[(src, dst, seq)] = tensor.detach().clone()
+            # Copies, as a wire would make: the sender may reuse its buffers after posting.
+            self._mail[(src, dst, seq)] = (
+                [t.detach().clone() for t in message] if isinstance(message, list)
+                else message.detach().clone())
             self._cond.notify_all()
 
     def take(self, src, dst, seq):
@@ -81,11 +84,11 @@ class SimComm:
         self._seq += 1
         return self._seq
 
-    def send_recv_next(self, tensor):
+    def send_recv_next(self, tensors):
         if self.world_size == 1:
-            return _Done(tensor)
+            return _Done(list(tensors))
         seq = self._next_seq()
-        self.world.post(self.rank, (self.rank + 1) % self.world_size, seq, tensor)
+        self.world.post(self.rank, (self.rank + 1) % self.world_size, seq, list(tensors))
         return _Recv(self.world, [(self.rank - 1) % self.world_size], self.rank, seq,
                      lambda parts: parts[0])
 

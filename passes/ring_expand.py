@@ -14,13 +14,14 @@ Before (forward, zigzag, W = 4, rank 0):
 
 After (abridged; ``tests/test_ring_expand.py`` pins the full sequence):
 
-    stack = aten.stack([k, v])
-    a2a = _c10d_functional.all_to_all_single(stack, [0,0,0,S], [0,S,0,0], '0')  # K/V for step 1
+    a2a_k = _c10d_functional.all_to_all_single(k, [0,0,0,1], [0,1,0,0], '0')    # K/V for step 1
+    a2a_v = _c10d_functional.all_to_all_single(v, [0,0,0,1], [0,1,0,0], '0')
     attn = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)  # step 0 block
-    ... fp32 accumulator init ...
-    kv_1 = _c10d_functional.wait_tensor(a2a)
-    a2a_1 = _c10d_functional.all_to_all_single(kv_1, ...)                        # K/V for step 2
-    attn_1 = ...(q[S/2:], kv_1[0], kv_1[1], 0.0, False)                          # step 1 block
+    ... fp32 accumulator init (a copy of the block) ...
+    k_1 = _c10d_functional.wait_tensor(a2a_k);  v_1 = ...wait_tensor(a2a_v)
+    a2a_k_1 = _c10d_functional.all_to_all_single(k_1, ...)                       # K/V for step 2
+    ...
+    attn_1 = ...(q[S/2:], k_1, v_1, 0.0, False)                                  # step 1 block
     ... fp32 merge ... (and so on for steps 2 and 3)
 
 The rank and world size come from the process group named in the node, so the result is specific to

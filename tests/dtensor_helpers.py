@@ -60,8 +60,9 @@ class CollectiveLog(TorchDispatchMode):
             original = getattr(ProcessGroupComm, method)
             self._saved[method] = original
 
-            def recorded(comm, tensor, original=original, name=name):
-                self.calls.append((name, [tensor.numel()]))
+            def recorded(comm, tensor, original=original, name=name):  # ring shift: a list
+                tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
+                self.calls.append((name, [t.numel() for t in tensors]))
                 return original(comm, tensor)
             setattr(ProcessGroupComm, method, recorded)
         return super().__enter__()

@@ -1,7 +1,9 @@
-"""The fp32 merge against float64, including the extreme LSE gaps where naive forms overflow."""
+"""The fp32 merge against float64, including the extreme LSE gaps where naive forms overflow; the
+fp32 gradient accumulator (copy first, add later, zero what nothing reached)."""
 import torch
 
 from dtensor_ring.merge import init_, merge_
+from dtensor_ring.schedules.base import RowSums
 
 
 def _partial(scores, values):
@@ -31,3 +33,21 @@ def test_merge_is_stable_when_one_block_dominates_by_hundreds():
     assert torch.equal(out, torch.tensor([[[[3.0, 4.0]]]])) and lse.item() == 400.0
     merge_(out, lse, torch.tensor([[[[9.0, 9.0]]]]), torch.tensor([[[-1e4]]]))
     assert torch.equal(out, torch.tensor([[[[3.0, 4.0]]]])) and lse.item() == 400.0
+
+
+def test_row_sums_copy_first_add_later_and_zero_the_rest():
+    gen = torch.Generator().manual_seed(0)
+    parts = [(slice(2, 5), torch.randn(1, 2, 3, 4, generator=gen).bfloat16()),
+             (slice(0, 3), torch.randn(1, 2, 3, 4, generator=gen)),    # overlaps rows 2..3
+             (slice(8, 10), torch.randn(1, 2, 2, 4, generator=gen)),
+             (slice(2, 10), torch.randn(1, 2, 8, 4, generator=gen))]   # spans a gap 5..8
+    expected = torch.zeros(1, 2, 12, 4, dtype=torch.float64)
+    sums = RowSums(torch.full((1, 2, 12, 4), float("nan")))  # uninitialised: must not leak
+    for rows, x in parts:
+        expected[:, :, rows] += x.double()
+        sums.add_(rows, x)
+    assert sums.value.dtype == torch.float32
+    assert torch.allclose(sums.result().double(), expected, atol=1e-6)  # rows 10, 11: zero
+    done = RowSums(torch.ones(1, 1, 3, 2), written=True)
+    done.add_(slice(1, 2), torch.ones(1, 1, 1, 2))
+    assert done.result()[0, 0, :, 0].tolist() == [1.0, 2.0, 1.0]

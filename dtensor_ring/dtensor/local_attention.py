@@ -6,9 +6,11 @@ rank's view of the keys is cut into the W layout shards and attended in ring ord
 blocks the ring would compute (``layouts/``), merged in fp32: the ring with the exchange replaced
 by indexing. Key/value gradients are this rank's share of the sum over ranks (DTensor ``Partial``).
 """
+import torch
+
 from ..kernels.base import NONE
 from ..layouts import Layout
-from ..schedules.base import add_grads_, attend_, block_grads, fp32_like
+from ..schedules.base import RowSums, add_grads_, attend_, block_grads, fp32_empty
 
 
 def _shards(layout: Layout, local_len: int, rank: int, world: int, device):
@@ -22,7 +24,7 @@ def local_forward(q, k, v, *, layout, rank, world, is_causal, scale, kernel):
     if not is_causal:
         return kernel.forward(q, k, v, NONE, scale)
     local_len = q.shape[2]
-    out, lse = fp32_like(q), fp32_like(q, q.shape[:3])
+    out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])  # step 0's block covers every row
     for step, (src, index) in enumerate(_shards(layout, local_len, rank, world, q.device)):
         ks, vs = k.index_select(2, index), v.index_select(2, index)
         for block in layout.ring_blocks(local_len, rank, src, world, True):
@@ -35,13 +37,14 @@ def local_backward(dout, q, k, v, out, lse, *, layout, rank, world, is_causal, s
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, NONE, scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)  # exact kernels give fp32
     local_len = q.shape[2]
-    dq, dk, dv = fp32_like(q), fp32_like(k), fp32_like(v)
+    dq = RowSums(fp32_empty(q))
+    dk, dv = (x.new_zeros(x.shape, dtype=torch.float32) for x in (k, v))
     for src, index in _shards(layout, local_len, rank, world, q.device):
         ks, vs = k.index_select(2, index), v.index_select(2, index)
-        dks, dvs = fp32_like(ks), fp32_like(vs)
+        dks, dvs = RowSums(fp32_empty(ks)), RowSums(fp32_empty(vs))
         for block in layout.ring_blocks(local_len, rank, src, world, True):
             grads = block_grads(kernel, dout, q, ks, vs, out, lse, block, scale)
             add_grads_(block, grads, dq, dks, dvs)
-        dk.index_add_(2, index, dks)
-        dv.index_add_(2, index, dvs)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dk.index_add_(2, index, dks.result())
+        dv.index_add_(2, index, dvs.result())
+    return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

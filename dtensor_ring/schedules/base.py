@@ -20,12 +20,59 @@ def block_grads(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, scal
                            out[:, :, rows], lse[:, :, rows], block.mask, scale)
 
 
-def add_grads_(block: Block, grads, dq, dk, dv):
+class RowSums:
+    """An fp32 sum of blocks' results over row slices of a [B, H, S, D] tensor, with no zero-fill:
+    the first result to reach a row is copied (cast) in, later ones are added; rows no result
+    reached are zeroed by ``result()``. Rows are ``slice(start, stop)``s along dim 2.
+
+    ``value``: the fp32 tensor to sum into, uninitialised (``fp32_empty``) or, with
+    ``written=True``, holding values in every row already (e.g. a received accumulator)."""
+
+    def __init__(self, value: torch.Tensor, written: bool = False):
+        self.value = value
+        self._written = [(0, value.shape[2])] if written else []  # disjoint, sorted (start, stop)
+
+    def _gaps(self, start, stop):
+        gaps = []
+        for a, b in self._written:
+            if a > start:
+                gaps.append((start, min(a, stop)))
+            start = max(start, b)
+            if start >= stop:
+                break
+        return gaps + ([(start, stop)] if start < stop else [])
+
+    def _mark(self, start, stop):
+        spans = sorted(self._written + [(start, stop)])
+        self._written = [spans[0]]
+        for a, b in spans[1:]:
+            if a <= self._written[-1][1]:
+                self._written[-1] = (self._written[-1][0], max(b, self._written[-1][1]))
+            else:
+                self._written.append((a, b))
+
+    def add_(self, rows: slice, x: torch.Tensor) -> None:
+        start, stop, _ = rows.indices(self.value.shape[2])
+        gaps = self._gaps(start, stop)
+        if gaps == [(start, stop)]:
+            self.value[:, :, start:stop].copy_(x)
+        else:
+            for a, b in gaps:
+                self.value[:, :, a:b].zero_()
+            self.value[:, :, start:stop].add_(x)
+        self._mark(start, stop)
+
+    def result(self) -> torch.Tensor:
+        for a, b in self._gaps(0, self.value.shape[2]):
+            self.value[:, :, a:b].zero_()
+        return self.value
+
+
+def add_grads_(block: Block, grads, dq: RowSums, dk: RowSums, dv: RowSums):
     """Add a block's gradients into the fp32 accumulators."""
-    dq_b, dk_b, dv_b = grads
-    dq[:, :, block.q] += dq_b
-    dk[:, :, block.k] += dk_b
-    dv[:, :, block.k] += dv_b
+    dq.add_(block.q, grads[0])
+    dk.add_(block.k, grads[1])
+    dv.add_(block.k, grads[2])
 
 
 def result_out(out: torch.Tensor, q: torch.Tensor, kernel: BlockKernel) -> torch.Tensor:
@@ -34,5 +81,6 @@ def result_out(out: torch.Tensor, q: torch.Tensor, kernel: BlockKernel) -> torch
     return out if kernel.exact else out.to(q.dtype)
 
 
-def fp32_like(x: torch.Tensor, shape=None) -> torch.Tensor:
-    return x.new_zeros(x.shape if shape is None else shape, dtype=torch.float32)
+def fp32_empty(x: torch.Tensor, shape=None) -> torch.Tensor:
+    """An uninitialised fp32 accumulator, for a schedule whose first blocks cover every row."""
+    return x.new_empty(x.shape if shape is None else shape, dtype=torch.float32)

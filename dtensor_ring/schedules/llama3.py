@@ -24,7 +24,7 @@ import torch
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block
-from .base import add_grads_, attend_, block_grads, fp32_like, result_out
+from .base import RowSums, add_grads_, attend_, block_grads, fp32_empty, result_out
 
 
 def head_groups(kv_heads: int, world_size: int) -> list[slice]:
@@ -50,6 +50,11 @@ def to_rank_major(natural: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat([chunks[:world], chunks[world:].flip(0)], dim=-2)
 
 
+def _kv_group(k, v, heads: slice) -> torch.Tensor:
+    """K and V of a group of kv heads as one [2, B, Hg, S, D] message (one copy)."""
+    return torch.stack([k[:, heads], v[:, heads]])
+
+
 def _blocks(rank, world, local_len, is_causal, kernel):
     """(block, fresh) pairs in natural-order K; see the grid above."""
     if not is_causal:
@@ -71,14 +76,13 @@ class Llama3:
 
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel):
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
-        out, lse = fp32_like(q), fp32_like(q, q.shape[:3])
-        kv = torch.stack([k, v])
+        out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])  # the fresh blocks cover every row
         blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal, kernel)
-        pending = comm.all_gather(kv[:, :, groups[0]])
+        pending = comm.all_gather(_kv_group(k, v, groups[0]))
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
-                pending = comm.all_gather(kv[:, :, groups[i + 1]])
+                pending = comm.all_gather(_kv_group(k, v, groups[i + 1]))
             k_all, v_all = to_natural(gathered)
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
             out_h, lse_h = out[:, q_heads], lse[:, q_heads]
@@ -89,21 +93,23 @@ class Llama3:
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
         world = comm.world_size
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
-        dq, dkv = fp32_like(q), fp32_like(q, (2, *k.shape))
-        kv = torch.stack([k, v])
+        dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
         blocks = _blocks(comm.rank, world, q.shape[2], is_causal, kernel)
-        pending_kv, pending_grad = comm.all_gather(kv[:, :, groups[0]]), None
+        pending_kv, pending_grad = comm.all_gather(_kv_group(k, v, groups[0])), None
         for i, heads in enumerate(groups):
             gathered = pending_kv.wait()
             if i + 1 < len(groups):
-                pending_kv = comm.all_gather(kv[:, :, groups[i + 1]])
+                pending_kv = comm.all_gather(_kv_group(k, v, groups[i + 1]))
             k_all, v_all = to_natural(gathered)
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
-            dq_h, dkv_all = dq[:, q_heads], fp32_like(q, (2, *k_all.shape))
+            dkv_all = fp32_empty(q, (2, *k_all.shape))
+            sums = [RowSums(dq[:, q_heads]), RowSums(dkv_all[0]), RowSums(dkv_all[1])]
             for block, _ in blocks:
                 grads = block_grads(kernel, dout[:, q_heads], q[:, q_heads], k_all, v_all,
                                     out[:, q_heads], lse[:, q_heads], block, scale)
-                add_grads_(block, grads, dq_h, dkv_all[0], dkv_all[1])
+                add_grads_(block, grads, *sums)
+            for row_sums in sums:
+                row_sums.result()  # rows no block reached (keys no local query sees): zero
             if pending_grad is not None:
                 dkv[:, :, groups[i - 1]] = pending_grad.wait()
             pending_grad = comm.reduce_scatter(to_rank_major(dkv_all, world))

@@ -1,22 +1,51 @@
-"""The ring exchange: K/V pass to the next rank W-1 times; the layout says what each step computes.
+r"""The ring exchange: K/V pass to the next rank W-1 times; the layout says what each step computes.
 
 Used by the ``ring`` (contiguous), ``zigzag`` and ``stripe`` schedules; their block grids are drawn in
-``layouts/``. At step t rank r holds the K/V of rank src = (r - t) mod W.
+``layouts/``. At step t rank r holds the K/V of rank src = (r - t) mod W; step 0's is its own.
 
-Forward, per step: post the send of the K/V held (K and V stacked: one message) to rank r+1 and the
-receive of the next from rank r-1, compute this step's blocks, merge them into the fp32 (out, lse),
-then wait for the next K/V.
+Forward, per step: post the send of the K/V held (K and V: two messages of one batch, no copy) to
+rank r+1 and the receive of the next from rank r-1, compute this step's blocks, merge them into the
+fp32 (out, lse), then wait for the next K/V.
 
-Backward, per step: the same K/V pass, plus an fp32 dK/dV accumulator that travels *with* the K/V it
-belongs to: each rank adds its blocks' dk/dv, then passes it on; after W hops it is home. dq stays
-local in fp32. The accumulator's send is posted after this step's compute and waited on after the next
-step's compute, so it overlaps too.
+Backward: the same K/V pass, and an fp32 dK/dV accumulator for each rank's K/V that travels *with*
+them: rank src+1 starts it at step 1 from its blocks' dk/dv, each later holder adds its own and
+passes it on, and rank src-1 sends it home after step W-1. Each hop is posted after a step's compute
+and waited on after the next step's compute. The rank's own block (its own K/V: no communication)
+keeps its dk/dv at home in fp32 and is split in two, run first and last, so that compute covers
+the first K/V hop and the last accumulator hop, which has no remote step after it:
+
+    rank r, W = 3    own, early   | src r-1          | src r-2          | own, late
+    K/V in flight    r-1's -> r   | r-2's -> r       |                  |
+    dK/dV in flight               |                  | r-1's acc. -> r+1| r-2's acc. -> r+1 (home)
+                                                                          r's own acc. <- r-1
+
+The last hop carries fp32 (twice the bytes of 16-bit K/V), so the late part is the larger
+(h = S_local // 2; \ causal, # full):
+
+    causal        early  q[:h] x k[:h] \          late  q[h:] x k[:h] #,  q[h:] x k[h:] \
+    non-causal    early  q x k[:h]     #          late  q x k[h:]     #
+
+At home the arriving accumulator is added to the own part and rounded once to the input dtype.
 """
 import torch
 
 from ..comm import Communicator
-from ..layouts import Layout
-from .base import add_grads_, attend_, block_grads, fp32_like, result_out
+from ..kernels.base import CAUSAL, NONE
+from ..layouts import Block, Layout
+from .base import RowSums, add_grads_, attend_, block_grads, fp32_empty, result_out
+
+
+def split_own(block: Block) -> tuple[list[Block], list[Block]]:
+    """The own (diagonal) block as (early, late) blocks; see the table above."""
+    length = block.q.stop
+    half = length // 2
+    if half == 0:
+        return [block], []
+    first, second = slice(0, half), slice(half, length)
+    if block.mask == CAUSAL:
+        return ([Block(first, first, CAUSAL)],
+                [Block(second, first, NONE), Block(second, second, CAUSAL)])
+    return [Block(block.q, first, NONE)], [Block(block.q, second, NONE)]
 
 
 class RingPass:
@@ -28,39 +57,55 @@ class RingPass:
     def _blocks(self, comm, step, local_len, is_causal):
         src = (comm.rank - step) % comm.world_size
         blocks = self.layout.ring_blocks(local_len, comm.rank, src, comm.world_size, is_causal)
-        # The accumulator starts from step 0's block (the rank's own K/V), which covers every row.
-        assert step or (len(blocks) == 1 and blocks[0].q == slice(0, local_len))
+        # Step 0 (the rank's own K/V) is one square block over every row: it starts the forward's
+        # accumulator, and the backward splits it (split_own).
+        assert step or (len(blocks) == 1 and blocks[0].q == blocks[0].k == slice(0, local_len))
         return blocks
 
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel):
         world, local_len = comm.world_size, q.shape[2]
-        out, lse = fp32_like(q), fp32_like(q, q.shape[:3])
-        kv = torch.stack([k, v])
+        out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
+        kv = [k, v]
         for step in range(world):
             pending = comm.send_recv_next(kv) if step < world - 1 else None
             for block in self._blocks(comm, step, local_len, is_causal):
-                attend_(kernel, q, kv[0], kv[1], block, scale, out, lse, fresh=step == 0)
+                attend_(kernel, q, *kv, block, scale, out, lse, fresh=step == 0)
             if pending is not None:
                 kv = pending.wait()
         return result_out(out, q, kernel), lse
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
         world, local_len = comm.world_size, q.shape[2]
-        dq = fp32_like(q)
-        kv = torch.stack([k, v])
+        dq = RowSums(fp32_empty(q))
+        dk_own, dv_own = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
+
+        def grads(blocks, kv):
+            return [block_grads(kernel, dout, q, *kv, out, lse, block, scale) for block in blocks]
+
+        early, late = split_own(self._blocks(comm, 0, local_len, is_causal)[0])
+        pending_kv = comm.send_recv_next([k, v]) if world > 1 else None
+        for block, block_grad in zip(early, grads(early, [k, v])):
+            add_grads_(block, block_grad, dq, dk_own, dv_own)
         pending_dkv = None
-        for step in range(world):
+        for step in range(1, world):
+            kv = pending_kv.wait()
             pending_kv = comm.send_recv_next(kv) if step < world - 1 else None
             blocks = self._blocks(comm, step, local_len, is_causal)
-            grads = [block_grads(kernel, dout, q, kv[0], kv[1], out, lse, block, scale)
-                     for block in blocks]
+            step_grads = grads(blocks, kv)
             # Wait for the travelling accumulator only now, so its transfer overlapped the compute.
-            dkv = fp32_like(kv) if pending_dkv is None else pending_dkv.wait()
-            for block, block_grad in zip(blocks, grads):
-                add_grads_(block, block_grad, dq, dkv[0], dkv[1])
-            pending_dkv = comm.send_recv_next(dkv)
-            if pending_kv is not None:
-                kv = pending_kv.wait()
-        dkv = pending_dkv.wait()  # this rank's own dK/dV, home after W hops
-        # copy=True: dk and dv must not alias (one buffer) even when no cast is needed.
-        return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+            if pending_dkv is None:
+                dk, dv = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
+            else:
+                dk, dv = (RowSums(t, written=True) for t in pending_dkv.wait())
+            for block, block_grad in zip(blocks, step_grads):
+                add_grads_(block, block_grad, dq, dk, dv)
+            pending_dkv = comm.send_recv_next([dk.result(), dv.result()])
+        for block, block_grad in zip(late, grads(late, [k, v])):
+            add_grads_(block, block_grad, dq, dk_own, dv_own)
+        dk, dv = dk_own.result(), dv_own.result()
+        if pending_dkv is not None:  # this rank's accumulator, home after W-1 hops
+            dk_home, dv_home = pending_dkv.wait()
+            # The sum rounded once to the input dtype, in one pass (add with a 16-bit out=).
+            dk = torch.add(dk, dk_home, out=torch.empty_like(k))
+            dv = torch.add(dv, dv_home, out=torch.empty_like(v))
+        return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
