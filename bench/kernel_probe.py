@@ -17,8 +17,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
 from dtensor_ring.kernels.cuda import Cudnn, Flash
-from dtensor_ring.merge import torch_merge_, triton_merge_
+from dtensor_ring.merge import TorchFp32, TritonFp32
 from dtensor_ring.numerics import NAMES, errors, fwd_bwd
+
+
+torch_merge_, triton_merge_ = TorchFp32.merge_, TritonFp32.merge_
 
 
 def bench_ms(fn, iters=20, warmup=3):
@@ -124,6 +127,8 @@ def probe_accumulate(args, rows):
     grad32 = grad.float()
     for name, fn in (("acc += bf16", lambda: acc.add_(grad)),
                      ("acc.copy_(bf16)", lambda: acc.copy_(grad)),
+                     ("triton acc += bf16", lambda: TritonFp32.accumulate_(acc, grad, True)),
+                     ("triton acc = bf16", lambda: TritonFp32.accumulate_(acc, grad, False)),
                      ("acc += fp32", lambda: acc.add_(grad32)),
                      ("acc[:, :, h:] += bf16 half", lambda: acc[:, :, s // 2:].add_(
                          grad[:, :, : s // 2])),

@@ -1,4 +1,4 @@
-"""fp32 online-softmax merge of partial attention results.
+"""fp32 online-softmax merge of partial attention results, and fp32 accumulation of block results.
 
 Two partial results over disjoint key sets, (out_a, lse_a) and (out_b, lse_b), combine into the
 attention over their union:
@@ -12,10 +12,13 @@ written in the form that never overflows and loses least when one side dominates
     lse -= logsigmoid(lse_a - lse_b)
 
 The accumulator (out, lse) is fp32 whatever the input dtype; the block is upcast as it is read.
+``accumulate_`` copies (casts) a block's result into an fp32 accumulator or adds it there: the
+fp32 sums of the forward's first block and of the backward's gradients.
 
-Implementations, one per device kind (``MERGES``): on CUDA one Triton kernel (``triton_merge.py``,
-one pass over the accumulator), elsewhere these torch ops. Traced code (the compile pass's
-``make_fx``) takes the torch ops on any device: inductor fuses them into one kernel itself.
+Implementations, one per device kind (``FP32_OPS``): on CUDA Triton kernels (``triton_merge.py``:
+each one pass over its tensors; PyTorch's merge is ~8 elementwise kernels, and its 16-bit -> fp32
+copy and add take the slower mixed-dtype path), elsewhere torch ops. Traced code (the compile
+pass's ``make_fx``) takes the torch ops on any device: inductor fuses them itself.
 """
 import importlib.util
 
@@ -25,21 +28,44 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 
-def torch_merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-                 block_lse: torch.Tensor) -> None:
-    weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
-    out.sub_(weight * (out - block_out))
-    lse.sub_(F.logsigmoid(lse - block_lse))
+class TorchFp32:
+    """The torch ops: any device, and traced code."""
+
+    @staticmethod
+    def merge_(out, lse, block_out, block_lse):
+        weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
+        out.sub_(weight * (out - block_out))
+        lse.sub_(F.logsigmoid(lse - block_lse))
+
+    @staticmethod
+    def accumulate_(acc, x, add):
+        acc.add_(x) if add else acc.copy_(x)
 
 
-def triton_merge_(out, lse, block_out, block_lse) -> None:
-    from .triton_merge import merge_  # noqa: PLC0415 - triton is optional
+class TritonFp32:
+    """One Triton kernel per call (``triton_merge.py``), on CUDA tensors (or CPU under
+    TRITON_INTERPRET=1, in the tests)."""
 
-    merge_(out, lse, block_out, block_lse)
+    @staticmethod
+    def merge_(out, lse, block_out, block_lse):
+        from . import triton_merge  # noqa: PLC0415 - triton is optional
+
+        triton_merge.merge_(out, lse, block_out, block_lse)
+
+    @staticmethod
+    def accumulate_(acc, x, add):
+        from . import triton_merge  # noqa: PLC0415
+
+        triton_merge.accumulate_(acc, x, add)
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-MERGES = {"cuda": triton_merge_ if _HAS_TRITON else torch_merge_, "other": torch_merge_}
+FP32_OPS = {"cuda": TritonFp32 if _HAS_TRITON else TorchFp32, "other": TorchFp32}
+
+
+def _ops(tensor: torch.Tensor):
+    traced = get_proxy_mode() is not None or is_fake(tensor)
+    return FP32_OPS["cuda" if tensor.device.type == "cuda" and not traced else "other"]
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
@@ -50,13 +76,17 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     float dtype, ``block_lse`` fp32. ``lse`` must be finite: start the accumulator from a block
     that covers every row (``init_``).
     """
-    traced = get_proxy_mode() is not None or is_fake(out)
-    kind = "cuda" if out.device.type == "cuda" and not traced else "other"
-    MERGES[kind](out, lse, block_out, block_lse)
+    _ops(out).merge_(out, lse, block_out, block_lse)
+
+
+def accumulate_(acc: torch.Tensor, x: torch.Tensor, add: bool) -> None:
+    """``acc += x`` (``add``) or ``acc[...] = x``: ``acc`` fp32 [B, H, S, D] (views are fine),
+    ``x`` of the same shape in any float dtype."""
+    _ops(acc).accumulate_(acc, x, add)
 
 
 def init_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
           block_lse: torch.Tensor) -> None:
     """Start the accumulator from a block that covers its rows."""
-    out.copy_(block_out)
+    accumulate_(out, block_out, add=False)
     lse.copy_(block_lse)

@@ -1,4 +1,6 @@
-"""The fp32 merge of ``merge.py`` as one Triton kernel: one pass over the accumulator.
+"""The fp32 merge and accumulation of ``merge.py`` as Triton kernels: one pass over each tensor.
+
+``_merge``:
 
     grid (row tiles of BLOCK_M, B * H): each program reads BLOCK_M rows of the fp32 accumulator
     (out, lse) and of the block (block_out in any float dtype, block_lse fp32), writes back
@@ -9,6 +11,9 @@
         lse = max(lse, block_lse) + log(1 + e)      (= lse - logsigmoid(lse - block_lse))
 
 Memory: out read and written once (fp32), block_out read once; the torch form makes ~8 passes.
+
+``_accumulate``: acc = x, or acc += x (ADD), acc fp32, x any float dtype, same grid.
+
 Tensors may be any strided views ([B, H, S, D] / [B, H, S]: the schedules merge row slices in
 place). ``block_lse = -inf`` (a row that saw no key in this block) leaves the row unchanged.
 Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use that).
@@ -45,10 +50,38 @@ def _merge(Out, Lse, BlockOut, BlockLse,
     tl.store(lse_ptrs, tl.maximum(lse, block_lse) + tl.log(1.0 + small), mask=row_ok)
 
 
+@triton.jit
+def _accumulate(Acc, X, sab, sah, sam, sad, sxb, sxh, sxm, sxd, heads, seq, head_dim,
+                ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    tile_ok = (rows < seq)[:, None] & (dims < head_dim)[None, :]
+    acc_ptrs = Acc + b * sab + h * sah + rows[:, None] * sam + dims[None, :] * sad
+    x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxm + dims[None, :] * sxd, mask=tile_ok,
+                other=0.0).to(tl.float32)
+    if ADD:
+        x += tl.load(acc_ptrs, mask=tile_ok, other=0.0)
+    tl.store(acc_ptrs, x, mask=tile_ok)
+
+
+def _grid(tensor):
+    batch, heads, seq, head_dim = tensor.shape
+    return (triton.cdiv(seq, BLOCK_M), batch * heads), dict(
+        BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+
+
 def merge_(out, lse, block_out, block_lse) -> None:
     """``merge.merge_`` in one kernel launch (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
-    batch, heads, seq, head_dim = out.shape
-    grid = (triton.cdiv(seq, BLOCK_M), batch * heads)
+    grid, blocks = _grid(out)
     _merge[grid](out, lse, block_out, block_lse, *out.stride(), *lse.stride(),
-                 *block_out.stride(), *block_lse.stride(), heads, seq, head_dim,
-                 BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+                 *block_out.stride(), *block_lse.stride(), *out.shape[1:], **blocks)
+
+
+def accumulate_(acc, x, add: bool) -> None:
+    """``merge.accumulate_`` in one kernel launch."""
+    grid, blocks = _grid(acc)
+    _accumulate[grid](acc, x, *acc.stride(), *x.stride(), *acc.shape[1:], ADD=add, **blocks)

@@ -1,5 +1,5 @@
-"""The Triton merge (``triton_merge.py``, the CUDA entry of ``merge.MERGES``) against the torch merge
-and float64: on a GPU compiled, on CPU under TRITON_INTERPRET=1 (set here before the kernel is
+"""The Triton merge and accumulation (``triton_merge.py``, the CUDA entry of ``merge.FP32_OPS``)
+against the torch ops and float64: on a GPU compiled, on CPU under TRITON_INTERPRET=1 (set here before the kernel is
 first imported; skipped where triton is not installed).
 
 Tolerance: the torch and Triton forms round differently (exp/log approximations, operation order),
@@ -14,7 +14,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from dtensor_ring.merge import MERGES, init_, merge_, torch_merge_, triton_merge_  # noqa: E402
+from dtensor_ring.merge import FP32_OPS, TorchFp32, TritonFp32, init_, merge_  # noqa: E402
+
+torch_merge_, triton_merge_ = TorchFp32.merge_, TritonFp32.merge_
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -75,8 +77,20 @@ def test_triton_merge_of_split_keys_is_softmax_over_all_keys_in_float64():
     assert (out.cpu().double() - torch.softmax(scores, -1) @ values).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("add", [False, True])
+def test_triton_accumulate_is_the_torch_accumulate(dtype, add):
+    gen = torch.Generator().manual_seed(2)
+    buffers = _buffers(gen, 2, 3, 40, 80)
+    x = torch.randn(2, 3, 40, 80, generator=gen).to(dtype).to(DEVICE)
+    expected, got = buffers[0].clone(), buffers[0].clone()
+    TorchFp32.accumulate_(_rows([expected], 40)[0], x, add)
+    TritonFp32.accumulate_(_rows([got], 40)[0], x, add)
+    assert torch.equal(got, expected)  # one fp32 rounding (add) or none (copy) either way
+
+
 def test_the_registry_runs_triton_on_cuda_and_torch_elsewhere():
-    assert MERGES["other"] is torch_merge_ and MERGES["cuda"] is triton_merge_
+    assert FP32_OPS["other"] is TorchFp32 and FP32_OPS["cuda"] is TritonFp32
     out, lse = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2)
     merge_(out, lse, torch.ones(1, 1, 2, 4), torch.zeros(1, 1, 2))  # CPU: the torch form
     assert torch.equal(out, torch.full_like(out, 0.5))

@@ -3,7 +3,7 @@ import torch
 
 from ..kernels import BlockKernel
 from ..layouts import Block
-from ..merge import init_, merge_
+from ..merge import accumulate_, init_, merge_
 
 
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):
@@ -54,12 +54,11 @@ class RowSums:
     def add_(self, rows: slice, x: torch.Tensor) -> None:
         start, stop, _ = rows.indices(self.value.shape[2])
         gaps = self._gaps(start, stop)
-        if gaps == [(start, stop)]:
-            self.value[:, :, start:stop].copy_(x)
-        else:
+        fresh = gaps == [(start, stop)]
+        if not fresh:
             for a, b in gaps:
                 self.value[:, :, a:b].zero_()
-            self.value[:, :, start:stop].add_(x)
+        accumulate_(self.value[:, :, start:stop], x, add=not fresh)
         self._mark(start, stop)
 
     def result(self) -> torch.Tensor:
