@@ -4,6 +4,13 @@ Both take bf16/fp16, return the LSE in fp32, and accept a backward with an LSE a
 not their own (the merged ones), which is what the ring needs. cuDNN is the fastest on Hopper.
 PyTorch's flash op is flash-attn v2 inside: its ``is_causal`` is bottom-right aligned, which is
 top-left for square blocks, so it offers both causal masks; cuDNN's is top-left only.
+
+Strided inputs: the schedules pass row slices of [B, H, S, D] tensors (zigzag's half blocks).
+Measured on an H200 (torch 2.11, cuDNN 9.19; bench/kernel_probe.py, results in
+bench/results/2026-11-23_speed_opt_h200_w2/): cuDNN's forward and backward and flash's forward
+give the same results on the views as on contiguous copies, so they get the views (a copy was
+40-54 us per tensor at 8K tokens); flash's backward gives wrong gradients on row-sliced
+q/dout/out/lse views, so it gets contiguous copies (``backward_takes_views``).
 """
 import torch
 
@@ -13,8 +20,14 @@ _aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
 
 
+def _rows_strided(x):
+    """``x`` as is if its last dim is dense (any other strides), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 class _CudaKernel(BlockKernel):
     max_head_dim = 128
+    backward_takes_views = True
 
     def available(self, device, dtype, head_dim):
         return (device.type == "cuda" and dtype in _HALF and head_dim % 8 == 0
@@ -27,16 +40,17 @@ class _CudaKernel(BlockKernel):
         groups, causal = q.shape[1] // k.shape[1], mask != NONE
         if not self.supports_gqa:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        return self._forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+        return self._forward(_rows_strided(q), _rows_strided(k), _rows_strided(v), causal, scale)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         causal = mask != NONE
         groups = q.shape[1] // k.shape[1]
         if not self.supports_gqa:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        dq, dk, dv = self._backward(dout.contiguous(), q.contiguous(), k.contiguous(),
-                                    v.contiguous(), out.contiguous(), lse.contiguous(), causal,
-                                    scale)
+        tensors = [_rows_strided(x) for x in (dout, q, k, v, out)] + [lse]
+        if not self.backward_takes_views:
+            tensors = [x.contiguous() for x in tensors]
+        dq, dk, dv = self._backward(*tensors, causal, scale)
         if not self.supports_gqa:
             dk, dv = sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
         return dq, dk, dv
@@ -64,6 +78,7 @@ class Flash(_CudaKernel):
     name = "flash"
     max_head_dim = 256
     masks = MASKS
+    backward_takes_views = False
 
     def _op_available(self):
         return torch.backends.cuda.flash_sdp_enabled()
