@@ -29,6 +29,9 @@ on; each rank's failure flag is all-reduced so every rank takes the same branch.
 rewritten after every row, so a run stopped by a time limit keeps what it measured; --budget-s
 skips what is left once that many seconds have passed (the ranks agree on it).
 
+--nccl-high-priority: NCCL's streams at high priority (a user setting passed to
+init_process_group), to see whether the exchanges then start before the compute they overlap.
+
 --profile FILE: first, a torch.profiler summary of zigzag fp32 forward+backward (--profile-tokens per
 GPU, q heads = kv heads = --heads): the top kernels by GPU time, per-category totals and how much
 NCCL time no compute kernel overlaps, per rank (FILE with ``_r<rank>`` before the suffix).
@@ -94,6 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", metavar="FILE", help="profile zigzag fp32 fwd+bwd first")
     p.add_argument("--profile-tokens", type=int, default=8192)
     p.add_argument("--profile-iters", type=int, default=5)
+    p.add_argument("--nccl-high-priority", action="store_true",
+                   help="NCCL's internal streams at high priority (a user setting: "
+                        "ProcessGroupNCCL.Options(is_high_priority_stream=True))")
     return p.parse_args(argv)
 
 
@@ -413,7 +419,8 @@ def meta(args, world):
             "torch": torch.__version__, "heads": args.heads, "head_dim": args.head_dim,
             "batch": args.batch, "dtype": "bfloat16", "iters": args.iters,
             "warmup": args.warmup, "fp32_backend": args.fp32_backend,
-            "torch_cp_kernel": args.torch_cp_kernel, "accuracy_max_seq": args.accuracy_max_seq}
+            "torch_cp_kernel": args.torch_cp_kernel, "accuracy_max_seq": args.accuracy_max_seq,
+            "nccl_high_priority": args.nccl_high_priority}
     try:
         import triton  # noqa: PLC0415 - optional
         info["triton"] = triton.__version__
@@ -555,7 +562,8 @@ def profile(args, mesh, device, path):
     prof.export_chrome_trace(trace)
     lines = [f"zigzag fp32 fwd+bwd, W={world}, rank {rank}, {args.profile_tokens} tokens/GPU, "
              f"{args.heads}/{args.heads} heads, d={args.head_dim}, causal bf16, "
-             f"{args.profile_iters} iterations profiled after 3 warm-up; torch {torch.__version__}",
+             f"{args.profile_iters} iterations profiled after 3 warm-up; torch {torch.__version__}"
+             f"{'; NCCL high-priority streams' if args.nccl_high_priority else ''}",
              ""]
     lines += kernel_summary(trace, args.profile_iters)
     averages = prof.key_averages()
@@ -664,11 +672,15 @@ def main(argv=None):
     device = args.device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    options = None
+    if args.nccl_high_priority:
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=120), pg_options=options)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device, (world,))
     info = meta(args, world)
+    info["mesh_group_is_default"] = mesh.get_group() is dist.group.WORLD  # --nccl-high-priority
     if args.profile:
         try:
             profile(args, mesh, device, args.profile)
