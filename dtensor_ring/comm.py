@@ -66,6 +66,17 @@ def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
     return total
 
 
+# cuDNN's attention kernels are persistent: one block per SM, with more shared memory than leaves
+# room for an NCCL block beside it. The kernel a schedule launches right after posting a ring
+# shift becomes ready at the same instant as NCCL's (both wait for the same last kernel), takes
+# every SM, and NCCL starts only as it drains: on 2xH200 the forward's K/V send started 790 us
+# into an 890 us kernel, with NCCL's streams at high priority or not (priority orders waiting
+# blocks, it does not make room). A one-block wait of ~10 us on the compute stream after posting
+# lets NCCL's blocks onto the SMs first. (The backward has such a gap already: cuDNN's small
+# dot(dO, O) kernel runs before each of its persistent kernels.)
+NCCL_HEAD_START_CYCLES = 20_000
+
+
 class ProcessGroupComm:
     """``Communicator`` over a ``torch.distributed`` process group."""
 
@@ -76,7 +87,7 @@ class ProcessGroupComm:
         self._next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
         self._prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
         # NCCL sums in its own (fast) order; on gloo we sum in rank order to match the simulator.
-        self._native_reduce_scatter = dist.get_backend(group) == "nccl"
+        self._nccl = dist.get_backend(group) == "nccl"
 
     def send_recv_next(self, tensors):
         if self.world_size == 1:
@@ -85,7 +96,10 @@ class ProcessGroupComm:
         received = [torch.empty_like(t) for t in tensors]  # may be transposed views)
         ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
-        return _Works(dist.batch_isend_irecv(ops), received)  # one NCCL group: one kernel
+        works = dist.batch_isend_irecv(ops)  # one NCCL group: one kernel
+        if self._nccl:
+            torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
+        return _Works(works, received)
 
     def all_gather(self, tensor):
         # The collectives concatenate along dim 0; flatten the leading dims so any rank works.
@@ -96,7 +110,7 @@ class ProcessGroupComm:
 
     def reduce_scatter(self, tensor):
         tensor = tensor.contiguous()
-        if self._native_reduce_scatter:
+        if self._nccl:
             out = tensor.new_empty(tensor.shape[1:])
             work = _reduce_scatter_tensor(out.view(-1), tensor.view(-1), group=self.group,
                                               async_op=True)
