@@ -2,7 +2,7 @@
 ``sequence_positions``."""
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 
 from .layouts import Layout, get_layout
 from .mesh import check_device, resolve_group
@@ -45,8 +45,9 @@ def unshard_sequence(x_local: torch.Tensor, mesh, dim: int = 2,
     dim, lay = _dim(x_local, dim), get_layout(layout)
     _, world, group = _group_of(mesh)
     lay.check_local_len(x_local.shape[dim], f"x_local.shape[{dim}]")
-    shards = dist_fn.all_gather(x_local.contiguous(), group=group)
-    return from_rank_major(torch.cat(shards, dim), lay, world, dim)
+    # The differentiable all-gather (torch.distributed.nn's is deprecated): rank-major along dim.
+    gathered = funcol.all_gather_tensor_autograd(x_local.contiguous(), dim, group)
+    return from_rank_major(gathered, lay, world, dim)
 
 
 def from_rank_major(x: torch.Tensor, layout: Layout, world_size: int, dim: int) -> torch.Tensor:
