@@ -10,7 +10,7 @@ from .mesh import check_device, resolve_group
 from .schedules import get_schedule
 from .sharding import from_rank_major
 from .simulated import SimWorld
-from .validation import check_options, check_qkv
+from .validation import check_int, check_options, check_qkv
 
 
 def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_mask, dropout_p):
@@ -83,8 +83,7 @@ def simulate_ring(q, k, v, *, world_size, schedule="zigzag", is_causal=False, sc
     Whole tensors in natural order in and out; each simulated rank runs the real schedule on its
     shard with the same kernels and arithmetic, so numerics at large W are testable on one device.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    check_int(world_size, "world_size", 1, "a positive int")
     sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
                               precision=precision, backend=backend, attn_mask=attn_mask,
                               dropout_p=dropout_p)

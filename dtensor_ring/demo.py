@@ -31,6 +31,7 @@ from .launch import init_from_env, launch
 from .models import Llama, LlamaConfig
 from .numerics import rel_rms
 from .schedules import SCHEDULES
+from .validation import check_int
 
 LOSS_TOLERANCE = 1e-5  # |loss_cp - loss_1| / loss_1, worst step
 GRAD_TOLERANCE = 1e-5  # ||g_cp - g_1|| / ||g_1|| over all parameters (rel-RMS), worst step
@@ -103,8 +104,10 @@ def train_schedule(mesh, schedule, *, steps, batch, seq, compile_model, device, 
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        first_step_s, train_s = (seconds, train_s) if step == 0 else (first_step_s,
-                                                                       train_s + seconds)
+        if step == 0:
+            first_step_s = seconds
+        else:
+            train_s += seconds
         if rank0:
             single.load_state_dict(model.state_dict())
             ref_loss = _loss_and_grads(single, ids, labels)
@@ -159,10 +162,8 @@ def _check_args(nproc, schedules, steps, batch, seq, device):
     unknown = [s for s in schedules if s not in SCHEDULES and s != "auto"]
     if unknown:
         raise ValueError(f"schedule {unknown} unknown; valid: {['auto', *sorted(SCHEDULES)]}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps={steps!r} must be an int >= 2 (the first step is the warm-up)")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch={batch!r} must be a positive int")
+    check_int(steps, "steps", 2, "an int >= 2 (the first step is the warm-up)")
+    check_int(batch, "batch", 1, "a positive int")
     # Every layout splits the sequence into at most 2 * nproc equal chunks.
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < PERIOD or seq % (2 * nproc):
         raise ValueError(f"seq={seq!r} must be an int >= {PERIOD} divisible by 2 * nproc = "

@@ -5,6 +5,8 @@ import uuid
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from .validation import check_int
+
 
 def launch(fn, nproc: int, *args):
     """Run ``fn(*args)`` on ``nproc`` local processes; returns {rank: return value}.
@@ -12,8 +14,7 @@ def launch(fn, nproc: int, *args):
     ``fn`` runs with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and must be a
     module-level function; it initialises its own process group (``init_from_env``).
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r} must be a positive int")
+    check_int(nproc, "nproc", 1, "a positive int")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
                           run_id=f"dtensor_ring_{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,

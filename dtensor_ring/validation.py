@@ -5,6 +5,13 @@ import torch
 PRECISIONS = ("fp32", "exact")  # see kernels/__init__.py and kernels/base.py
 
 
+def check_int(value, arg: str, minimum: int, valid: str) -> None:
+    """``value`` must be an int (not a bool) of at least ``minimum``; the error reads
+    "{arg}={value!r} must be {valid}"."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{arg}={value!r} must be {valid}")
+
+
 def check_tensor(x, arg: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor; got {type(x).__name__}")

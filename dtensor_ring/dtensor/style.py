@@ -44,6 +44,7 @@ from ..attention import ring_attention
 from ..layouts import get_layout
 from ..schedules import get_schedule
 from ..sharding import sequence_positions, shard_sequence
+from ..validation import check_int
 from .placements import SEQ
 from .registry import set_sequence_schedule
 
@@ -102,9 +103,8 @@ class ContextParallel(ParallelStyle):
                  backend: str = "auto", seq_inputs=None, position_ids: str | None = "position_ids"):
         super().__init__()
         self.layout = get_layout(get_schedule(schedule).layout.name)
-        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0:
-            raise ValueError(f"seq_dim={seq_dim!r} must be a non-negative int (the sequence dim "
-                             "of the module's inputs, e.g. 1 for [batch, seq])")
+        check_int(seq_dim, "seq_dim", 0, "a non-negative int (the sequence dim of the module's "
+                  "inputs, e.g. 1 for [batch, seq])")
         if seq_inputs is not None and (isinstance(seq_inputs, str) or not all(
                 isinstance(n, str) for n in seq_inputs)):
             raise TypeError(f"seq_inputs must be None or a sequence of argument names; got "
