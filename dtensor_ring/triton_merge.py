@@ -25,17 +25,21 @@ BLOCK_M = 32
 
 
 @triton.jit
+def _tile(heads, seq, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (batch, head), its BLOCK_M rows and BLOCK_D dims, and their in-bounds masks
+    (grid: row tiles x B * H, as ``_grid`` launches it)."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq
+    return bh // heads, bh % heads, rows, dims, row_ok, row_ok[:, None] & (dims < head_dim)[None, :]
+
+
+@triton.jit
 def _merge(Out, Lse, BlockOut, BlockLse,
            sob, soh, som, sod, slb, slh, slm, sbb, sbh, sbm, sbd, sxb, sxh, sxm,
            heads, seq, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq
-    tile_ok = row_ok[:, None] & (dims < head_dim)[None, :]
+    b, h, rows, dims, row_ok, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
     lse_ptrs = Lse + b * slb + h * slh + rows * slm
     lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
     block_lse = tl.load(BlockLse + b * sxb + h * sxh + rows * sxm, mask=row_ok, other=0.0)
@@ -53,13 +57,7 @@ def _merge(Out, Lse, BlockOut, BlockLse,
 @triton.jit
 def _accumulate(Acc, X, sab, sah, sam, sad, sxb, sxh, sxm, sxd, heads, seq, head_dim,
                 ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    tile_ok = (rows < seq)[:, None] & (dims < head_dim)[None, :]
+    b, h, rows, dims, _, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
     acc_ptrs = Acc + b * sab + h * sah + rows[:, None] * sam + dims[None, :] * sad
     x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxm + dims[None, :] * sxd, mask=tile_ok,
                 other=0.0).to(tl.float32)
