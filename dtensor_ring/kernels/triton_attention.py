@@ -8,8 +8,14 @@ fp32 results, so nothing the ring merges or sums is rounded to 16 bits.
     _dq        grid (q tiles, B * Hq):  for one q tile, loops over k tiles; writes dq in fp32.
 
 The masks (``kernels/base.py``): q row i sees k row j iff j <= i + ``offset`` when CAUSAL, with
-offset 0 for "causal" and Sk - Sq for "causal_bottom_right". Tiles past Sq, Sk or the head dim
-(d = 80 runs in 128-wide tiles) are masked on load, so any length and head dim <= 128 works.
+offset 0 for "causal" and Sk - Sq for "causal_bottom_right". Each program walks its tiles in two
+kinds of loop: tiles every row of which sees every column of (no mask, no bounds checks: most of
+the work), and the others (the diagonal band, the ragged ends past Sq or Sk), masked:
+
+    k tiles:      0 ...... full_end ...... end            (forward, dq: one q tile's view)
+                  unmasked  | masked band  |  unseen (causal)
+
+Head dims below the tile width (d = 80 runs in 128-wide tiles) mask the loads' columns.
 As in FlashAttention, the probabilities and dS are rounded to the input dtype for the tensor-core
 products (the single-device kernels do the same); all sums are fp32.
 
@@ -35,155 +41,257 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _dot_add(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b, accumulated in the tensor-core instruction itself (no separate add)."""
+    if UPCAST:
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        result = tl.dot(a, b, acc)
+    return result
+
+
+@triton.jit
+def _load(base, idx, stride, n, dims, stride_d, CHECK: tl.constexpr, HEAD_DIM: tl.constexpr,
+          BLOCK_D: tl.constexpr):
+    """Rows ``idx`` of a [n, HEAD_DIM] matrix as a [len(idx), BLOCK_D] tile; rows past n (when
+    CHECK) and columns past HEAD_DIM read as 0."""
+    ptrs = base + idx[:, None] * stride + dims[None, :] * stride_d
+    if CHECK:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs, mask=idx[:, None] < n, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(idx[:, None] < n) & (dims[None, :] < HEAD_DIM), other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=dims[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store(base, idx, stride, n, dims, stride_d, value, HEAD_DIM: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    ptrs = base + idx[:, None] * stride + dims[None, :] * stride_d
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, value, mask=idx[:, None] < n)
+    else:
+        tl.store(ptrs, value, mask=(idx[:, None] < n) & (dims[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _visible(rows, cols, seq_q, seq_k, offset, CAUSAL: tl.constexpr):
+    """True where q row sees k col, both in range (``rows``, ``cols``: broadcastable index grids)."""
+    seen = (rows < seq_q) & (cols < seq_k)
+    if CAUSAL:
+        seen = seen & (cols <= rows + offset)
+    return seen
+
+
+@triton.jit
+def _q_tile_bounds(m0, seq_k, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """For the q tile starting at row m0: (full_end, end). k tiles below full_end are seen whole
+    by every row; [full_end, end) is the masked band and ragged end."""
+    full_end = seq_k // BLOCK_N * BLOCK_N
+    end = seq_k
+    if CAUSAL:
+        full_end = tl.minimum(full_end, (m0 + offset + 1) // BLOCK_N * BLOCK_N)
+        end = tl.minimum(seq_k, m0 + BLOCK_M + offset)
+    return full_end, end
+
+
+@triton.jit
+def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows, dims, lo, hi,
+                   seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
+        s = _dot(q, tl.trans(k), UPCAST)  # unscaled; the running max m_i is in log2 units
+        if MASKED:
+            seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
+            s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # scale > 0 (validation.check_options)
+        m_use = m_new  # the unmasked tiles run first or after a seen tile: m_new is finite
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s * scale_log2 - m_use[:, None])  # one fused multiply-add per score
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load(v_base, cols, svn, seq_k, dims, svd, MASKED, HEAD_DIM, BLOCK_D)
+        acc = _dot_add(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _forward(Q, K, V, Out, Lse,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod, slb, slh, slm,
-             q_heads, groups, seq_q, seq_k, head_dim, offset, scale_log2,
+             q_heads, groups, seq_q, seq_k, offset, scale_log2,
              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
     h = bh % q_heads
     hk = h // groups
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq_q
-    dim_ok = dims < head_dim
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = _load(Q + b * sqb + h * sqh, rows, sqm, seq_q, dims, sqd, True, HEAD_DIM, BLOCK_D)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = seq_k
-    if CAUSAL:
-        end = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + offset)
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_k
-        k_t = tl.load(k_base + cols[None, :] * skn + dims[:, None] * skd,
-                      mask=col_ok[None, :] & dim_ok[:, None], other=0.0)
-        s = _dot(q, k_t, UPCAST) * scale_log2
-        allowed = col_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            allowed = allowed & (cols[None, :] <= rows[:, None] + offset)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn + dims[None, :] * svd,
-                    mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+    full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows,
+                                   dims, 0, full_end, seq_q, seq_k, offset, scale_log2, False,
+                                   CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows,
+                                   dims, full_end, end, seq_q, seq_k, offset, scale_log2, True,
+                                   CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
-    tl.store(Out + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod, out,
-             mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(Lse + b * slb + h * slh + rows * slm, lse, mask=row_ok)
+    _store(Out + b * sob + h * soh, rows, som, seq_q, dims, sod, out, HEAD_DIM, BLOCK_D)
+    tl.store(Lse + b * slb + h * slh + rows * slm, lse, mask=rows < seq_q)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, slm,
+                cols, dims, lo, hi, seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    for start in range(lo, hi, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        q = _load(q_base, rows, sqm, seq_q, dims, sqd, MASKED, HEAD_DIM, BLOCK_D)
+        do = _load(do_base, rows, sdm, seq_q, dims, sdd, MASKED, HEAD_DIM, BLOCK_D)
+        if MASKED:
+            lse = tl.load(lse_base + rows * slm, mask=rows < seq_q, other=0.0)
+            delta = tl.load(delta_base + rows * slm, mask=rows < seq_q, other=0.0)
+        else:
+            lse = tl.load(lse_base + rows * slm)
+            delta = tl.load(delta_base + rows * slm)
+        lse2 = lse * _LOG2E
+        p_t = tl.exp2(_dot(k, tl.trans(q), UPCAST) * scale_log2 - lse2[None, :])  # [N, M]
+        if MASKED:
+            p_t = tl.where(_visible(rows[None, :], cols[:, None], seq_q, seq_k, offset, CAUSAL),
+                           p_t, 0.0)
+        dv = _dot_add(p_t.to(do.dtype), do, dv, UPCAST)
+        ds_t = p_t * (_dot(v, tl.trans(do), UPCAST) - delta[None, :])
+        dk = _dot_add(ds_t.to(q.dtype), q, dk, UPCAST)
+    return dk, dv
 
 
 @triton.jit
 def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
           sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
           sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgn, sgd,
-          kv_heads, groups, seq_q, seq_k, head_dim, offset, scale, scale_log2,
+          kv_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """dk, dv of one k tile; ``Lse`` and ``Delta`` (fp32, [B, Hq, Sq]) share the strides sl*;
-    DK and DV (fp32) share sg*."""
+    DK and DV (fp32) share sg*.
+
+    dq has its own kernel, which recomputes S and dP (7 products per tile pair instead of 5).
+    Adding dq here by fp32 atomic adds instead was measured no faster on an H200 (14.6 vs
+    14.1 ms at 16K x 16K causal, 32 heads; bench/results/2026-11-23_triton_tune_h200/), and its
+    sums would change from run to run.
+
+    q tiles:  first ...... full_start ...... seq_q      (this k tile's view)
+              masked band  |  unmasked        | ragged end (masked)
+    """
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // kv_heads
     hk = bh % kv_heads
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    col_ok = cols < seq_k
-    dim_ok = dims < head_dim
-    k = tl.load(K + b * skb + hk * skh + cols[:, None] * skn + dims[None, :] * skd,
-                mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svn + dims[None, :] * svd,
-                mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+    k = _load(K + b * skb + hk * skh, cols, skn, seq_k, dims, skd, True, HEAD_DIM, BLOCK_D)
+    v = _load(V + b * svb + hk * svh, cols, svn, seq_k, dims, svd, True, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first = 0
-    if CAUSAL:
-        first = tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M
+    full_start = 0
+    if CAUSAL:  # row r sees all of the tile iff r >= n0 + BLOCK_N - 1 - offset
+        first = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+        full_start = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
+    rows_end = tl.cdiv(seq_q, BLOCK_M) * BLOCK_M
+    if n0 + BLOCK_N > seq_k:  # the ragged last k tile: every q tile masked
+        full_start = rows_end
+    full_start = tl.minimum(full_start, rows_end)
+    full_end = tl.maximum(full_start, seq_q // BLOCK_M * BLOCK_M)
     for g in range(0, groups):
         h = hk * groups + g
-        for start in range(first, seq_q, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            row_ok = rows < seq_q
-            tile = row_ok[None, :] & dim_ok[:, None]
-            q_t = tl.load(Q + b * sqb + h * sqh + rows[None, :] * sqm + dims[:, None] * sqd,
-                          mask=tile, other=0.0)
-            do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + dims[None, :] * sdd,
-                         mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-            lse = tl.load(Lse + b * slb + h * slh + rows * slm, mask=row_ok, other=0.0)
-            delta = tl.load(Delta + b * slb + h * slh + rows * slm, mask=row_ok, other=0.0)
-            s_t = _dot(k, q_t, UPCAST) * scale_log2  # [N, M]
-            allowed = col_ok[:, None] & row_ok[None, :]
-            if CAUSAL:
-                allowed = allowed & (cols[:, None] <= rows[None, :] + offset)
-            p_t = tl.where(allowed, tl.exp2(s_t - lse[None, :] * _LOG2E), 0.0)
-            dv += _dot(p_t.to(do.dtype), do, UPCAST)
-            dp_t = _dot(v, tl.trans(do), UPCAST)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += _dot(ds_t.to(q_t.dtype), tl.trans(q_t), UPCAST)
-    out_tile = col_ok[:, None] & dim_ok[None, :]
-    offsets = b * sgb + hk * sgh + cols[:, None] * sgn + dims[None, :] * sgd
-    tl.store(DK + offsets, dk * scale, mask=out_tile)
-    tl.store(DV + offsets, dv, mask=out_tile)
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
+        lse_base = Lse + b * slb + h * slh
+        delta_base = Delta + b * slb + h * slh
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
+                             sdd, slm, cols, dims, first, full_start, seq_q, seq_k, offset,
+                             scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
+                             sdd, slm, cols, dims, full_start, full_end, seq_q, seq_k, offset,
+                             scale_log2, False, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
+                             sdd, slm, cols, dims, full_end, rows_end, seq_q, seq_k, offset,
+                             scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
+    base = b * sgb + hk * sgh
+    _store(DK + base, cols, sgn, seq_k, dims, sgd, dk * scale, HEAD_DIM, BLOCK_D)
+    _store(DV + base, cols, sgn, seq_k, dims, sgd, dv, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, lo, hi,
+              seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              UPCAST: tl.constexpr):
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
+        v = _load(v_base, cols, svn, seq_k, dims, svd, MASKED, HEAD_DIM, BLOCK_D)
+        p = tl.exp2(_dot(q, tl.trans(k), UPCAST) * scale_log2 - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL), p,
+                         0.0)
+        ds = p * (_dot(do, tl.trans(v), UPCAST) - delta[:, None])
+        dq = _dot_add(ds.to(k.dtype), k, dq, UPCAST)
+    return dq
 
 
 @triton.jit
 def _dq(Q, K, V, DO, Lse, Delta, DQ,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
         sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgm, sgd,
-        q_heads, groups, seq_q, seq_k, head_dim, offset, scale, scale_log2,
+        q_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    """dq of one q tile (fp32 DQ with strides sg*)."""
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """dq of one q tile (fp32 DQ with strides sg*); its k tiles as in the forward."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
     h = bh % q_heads
     hk = h // groups
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_ok = rows < seq_q
-    dim_ok = dims < head_dim
-    tile = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
-                mask=tile, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdm + dims[None, :] * sdd,
-                 mask=tile, other=0.0)
-    lse = tl.load(Lse + b * slb + h * slh + rows * slm, mask=row_ok, other=0.0)
-    delta = tl.load(Delta + b * slb + h * slh + rows * slm, mask=row_ok, other=0.0)
+    q = _load(Q + b * sqb + h * sqh, rows, sqm, seq_q, dims, sqd, True, HEAD_DIM, BLOCK_D)
+    do = _load(DO + b * sdb + h * sdh, rows, sdm, seq_q, dims, sdd, True, HEAD_DIM, BLOCK_D)
+    lse = tl.load(Lse + b * slb + h * slh + rows * slm, mask=rows < seq_q, other=0.0)
+    delta = tl.load(Delta + b * slb + h * slh + rows * slm, mask=rows < seq_q, other=0.0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = seq_k
-    if CAUSAL:
-        end = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + offset)
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < seq_k
-        k_t = tl.load(k_base + cols[None, :] * skn + dims[:, None] * skd,
-                      mask=col_ok[None, :] & dim_ok[:, None], other=0.0)
-        v_t = tl.load(v_base + cols[None, :] * svn + dims[:, None] * svd,
-                      mask=col_ok[None, :] & dim_ok[:, None], other=0.0)
-        s = _dot(q, k_t, UPCAST) * scale_log2
-        allowed = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            allowed = allowed & (cols[None, :] <= rows[:, None] + offset)
-        p = tl.where(allowed, tl.exp2(s - lse[:, None] * _LOG2E), 0.0)
-        dp = _dot(do, v_t, UPCAST)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k_t.dtype), tl.trans(k_t), UPCAST)
-    tl.store(DQ + b * sgb + h * sgh + rows[:, None] * sgm + dims[None, :] * sgd, dq * scale,
-             mask=tile)
+    full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
+    lse2 = lse * _LOG2E
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, 0,
+                   full_end, seq_q, seq_k, offset, scale_log2, False, CAUSAL, BLOCK_N, HEAD_DIM,
+                   BLOCK_D, UPCAST)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims,
+                   full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL, BLOCK_N,
+                   HEAD_DIM, BLOCK_D, UPCAST)
+    _store(DQ + b * sgb + h * sgh, rows, sgm, seq_q, dims, sgd, dq * scale, HEAD_DIM, BLOCK_D)

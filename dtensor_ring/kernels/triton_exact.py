@@ -11,6 +11,7 @@ import importlib.util
 import math
 import os
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -33,14 +34,28 @@ def _launching():
     return _INTERPRETER_LOCK if interpreting() else contextlib.nullcontext()
 
 
-def _config(head_dim):
-    """(BLOCK_M, BLOCK_N) for forward / dkdv / dq, warps, stages; 16-wide tiles when interpreting."""
-    block_d = max(16, triton_next_pow2(head_dim))
-    if interpreting():
-        return dict(fwd=(16, 16), dkdv=(16, 16), dq=(16, 16), block_d=block_d, warps={},
-                    upcast=True)
-    return dict(fwd=(128, 64), dkdv=(32, 64), dq=(64, 32), block_d=block_d,
-                warps=dict(num_warps=4, num_stages=2), upcast=False)
+class Tiles(NamedTuple):
+    """One kernel's launch shape: (BLOCK_M, BLOCK_N) tile and Triton's warps and pipeline stages."""
+    block_m: int
+    block_n: int
+    warps: int = 4
+    stages: int = 2
+
+
+# The fastest swept tiles on an H200 for d = 128, bf16, on zigzag's blocks at 16K tokens per GPU
+# (bench/triton_tune.py; bench/results/2026-11-23_triton_tune_h200/): the backward takes 11-17%
+# less time than with the first, untuned tiles (dK/dV 32 x 64, dq 64 x 32, 4 warps, 2 stages).
+TUNED = dict(forward=Tiles(128, 128, 8, 3), dkdv=Tiles(64, 128, 8, 3), dq=Tiles(128, 64, 8, 3))
+# Under TRITON_INTERPRET=1 (CPU tests): small tiles, so short blocks still have several of them.
+INTERPRETED = dict(forward=Tiles(16, 16), dkdv=Tiles(16, 16), dq=Tiles(16, 16))
+
+
+def _tiles(overrides):
+    return {**(INTERPRETED if interpreting() else TUNED), **(overrides or {})}
+
+
+def _launch(tiles: Tiles) -> dict:
+    return {} if interpreting() else dict(num_warps=tiles.warps, num_stages=tiles.stages)
 
 
 def triton_next_pow2(n: int) -> int:
@@ -65,7 +80,8 @@ class TritonExact(BlockKernel):
                 and 1 <= head_dim <= MAX_HEAD_DIM
                 and importlib.util.find_spec("triton") is not None)
 
-    def forward(self, q, k, v, mask, scale):
+    def forward(self, q, k, v, mask, scale, tiles=None):
+        """``tiles``: {"forward": Tiles} to override the tuned launch shape (the tuning bench)."""
         from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
 
         if mask not in MASKS:
@@ -73,50 +89,49 @@ class TritonExact(BlockKernel):
         batch, q_heads, seq_q, head_dim = q.shape
         seq_k = k.shape[2]
         offset = _offset(mask, seq_q, seq_k)
-        cfg = _config(head_dim)
+        shape = _tiles(tiles)["forward"]
         out = q.new_empty(q.shape, dtype=torch.float32)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        block_m, block_n = cfg["fwd"]
-        grid = (math.ceil(seq_q / block_m), batch * q_heads)
+        grid = (math.ceil(seq_q / shape.block_m), batch * q_heads)
         with _launching():
             ta._forward[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(),
                               *out.stride(), *lse.stride(), q_heads, q_heads // k.shape[1],
-                              seq_q, seq_k, head_dim, offset, scale * ta.LOG2E,
-                              CAUSAL=mask != NONE, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_D=cfg["block_d"],
-                              UPCAST=cfg["upcast"] and q.dtype == torch.bfloat16, **cfg["warps"])
+                              seq_q, seq_k, offset, scale * ta.LOG2E,
+                              BLOCK_M=shape.block_m, BLOCK_N=shape.block_n,
+                              **_constants(q, mask), **_launch(shape))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, tiles=None):
+        """``tiles``: {"dkdv": Tiles, "dq": Tiles} to override the tuned launch shapes."""
         from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
 
         offset = _offset(mask, q.shape[2], k.shape[2])
-        cfg = _config(q.shape[3])
         dout = dout.to(q.dtype)  # lossless: autograd may hand back the fp32 out's gradient
         lse = lse.float().contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # D from the fp32 merged out
         dq = q.new_empty(q.shape, dtype=torch.float32)
         dk = k.new_empty(k.shape, dtype=torch.float32)
         dv = torch.empty_like(dk)
+        batch, q_heads, seq_q, _ = q.shape
+        kv_heads, seq_k = k.shape[1], k.shape[2]
+        strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
+        sizes = (q_heads // kv_heads, seq_q, seq_k, offset, scale, scale * ta.LOG2E)
+        shape_dkdv, shape_dq = _tiles(tiles)["dkdv"], _tiles(tiles)["dq"]
         with _launching():
-            self._backward(ta, cfg, q, k, v, dout, lse, delta, dq, dk, dv, offset, scale, mask)
+            ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
+                q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), kv_heads, *sizes,
+                BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **_constants(q, mask),
+                **_launch(shape_dkdv))
+            ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
+                q, k, v, dout, lse, delta, dq, *strides, *dq.stride(), q_heads, *sizes,
+                BLOCK_M=shape_dq.block_m, BLOCK_N=shape_dq.block_n, **_constants(q, mask),
+                **_launch(shape_dq))
         return dq, dk, dv
 
-    @staticmethod
-    def _backward(ta, cfg, q, k, v, dout, lse, delta, dq, dk, dv, offset, scale, mask):
-        """Launch dK/dV (one program per k tile and kv head) and dq (per q tile and q head)."""
-        batch, q_heads, seq_q, head_dim = q.shape
-        kv_heads, seq_k = k.shape[1], k.shape[2]
-        common = dict(CAUSAL=mask != NONE, BLOCK_D=cfg["block_d"],
-                      UPCAST=cfg["upcast"] and q.dtype == torch.bfloat16, **cfg["warps"])
-        strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
-        block_m, block_n = cfg["dkdv"]
-        ta._dkdv[(math.ceil(seq_k / block_n), batch * kv_heads)](
-            q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), kv_heads,
-            q_heads // kv_heads, seq_q, seq_k, head_dim, offset, scale, scale * ta.LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, **common)
-        block_m, block_n = cfg["dq"]
-        ta._dq[(math.ceil(seq_q / block_m), batch * q_heads)](
-            q, k, v, dout, lse, delta, dq, *strides, *dq.stride(), q_heads, q_heads // kv_heads,
-            seq_q, seq_k, head_dim, offset, scale, scale * ta.LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, **common)
+
+def _constants(q, mask) -> dict:
+    """The kernels' compile-time arguments other than the tile sizes."""
+    head_dim = q.shape[3]
+    return dict(CAUSAL=mask != NONE, HEAD_DIM=head_dim,
+                BLOCK_D=max(16, triton_next_pow2(head_dim)),
+                UPCAST=interpreting() and q.dtype == torch.bfloat16)
