@@ -51,7 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
-from dtensor_ring.numerics import NAMES, errors, fwd_bwd, rel_rms
+from dtensor_ring.numerics import NAMES, errors, fwd_bwd
 from timing import local_median_ms
 
 # The real SDPA, taken before anything can patch it: PyTorch's context_parallel replaces
@@ -83,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", default="",
                    help="comma list of method-name prefixes to run (default: all)")
     p.add_argument("--fp32-backend", default="auto", help="block kernel of the fp32 rows")
+    p.add_argument("--triton-tiles", metavar="JSON",
+                   help="exact rows with the tiles bench/triton_tune.py chose (its --out JSON)")
     p.add_argument("--torch-cp-kernel", default="cudnn", choices=("cudnn", "flash"))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
@@ -437,6 +439,16 @@ def meta(args, world):
     return info
 
 
+def use_triton_tiles(path):
+    """Replace the exact kernel's tuned tiles with the ones in a bench/triton_tune.py JSON."""
+    from dtensor_ring.kernels.triton_exact import TUNED, Tiles  # noqa: PLC0415 - optional
+
+    with open(path) as f:
+        best = json.load(f)["meta"]["best"]
+    TUNED.update({part: Tiles(**tiles) for part, tiles in best.items()})
+    return best
+
+
 def write_json(path, info, rows):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -680,6 +692,8 @@ def main(argv=None):
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device, (world,))
     info = meta(args, world)
+    if args.triton_tiles:
+        info["triton_tiles"] = use_triton_tiles(args.triton_tiles)
     info["mesh_group_is_default"] = mesh.get_group() is dist.group.WORLD  # --nccl-high-priority
     if args.profile:
         try:
