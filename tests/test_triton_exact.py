@@ -1,5 +1,5 @@
 """The Triton exact kernels against float64: on a GPU compiled, on CPU under TRITON_INTERPRET=1
-(set here before the kernels are first imported; skipped where triton is not installed).
+(set by conftest.py; skipped where triton is not installed).
 
 Tolerance: each of out, dq, dk, dv within LIMIT x the rel-RMS of the single-device SDPA kernel in
 the same dtype on the same inputs. On a GPU LIMIT = 1.1: the Triton kernel rounds P and dS to the
@@ -9,19 +9,16 @@ than any FlashAttention-style kernel's (1.50x measured). A 1% error, or a top-le
 fails. Split keys merged in fp32 must give the whole attention within 1.02x of the unsplit exact
 kernel's error, and the schedules at W = 2 within 1.02x of W = 1.
 """
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import EXACT_BACKENDS  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE  # noqa: E402
+from dtensor_ring.kernels.triton_exact import Tiles  # noqa: E402
 from dtensor_ring.merge import init_, merge_  # noqa: E402
 from dtensor_ring.numerics import rel_rms  # noqa: E402
 
@@ -78,6 +75,27 @@ def test_triton_exact_kernel_against_float64(dtype, head_dim, mask, sq, sk):
     if mask == CAUSAL_BOTTOM_RIGHT:
         top_left = _sdpa(q, k, v, dout, torch.ones_like(allowed).tril())
         assert rel_rms(top_left[0], reference[0]) > 100 * rel_rms(got[0], reference[0])
+
+
+@pytest.mark.parametrize("mask,sq,sk", [(NONE, 40, 75), (CAUSAL, 70, 70),
+                                        (CAUSAL_BOTTOM_RIGHT, 45, 99)])
+def test_triton_exact_kernel_with_unequal_tiles(mask, sq, sk):
+    """q tiles twice (forward, dq) or half (dK/dV) the k tiles, as the GPU's tuned tiles are: the
+    masked band, the unmasked tiles and the ragged ends fall at other rows than with square tiles."""
+    head_dim = 64 if DEVICE.type == "cuda" else 16
+    base = 64 if DEVICE.type == "cuda" else 16
+    tiles = dict(forward=Tiles(2 * base, base), dkdv=Tiles(base, 2 * base),
+                 dq=Tiles(2 * base, base))
+    sq, sk = sq * max(1, SIZE // 4), sk * max(1, SIZE // 4)
+    q, k, v, dout = _inputs(sq, sk, head_dim, torch.bfloat16, seed=3)
+    allowed = _allowed(mask, sq, sk)
+    reference = _sdpa(*(x.double() for x in (q, k, v, dout)), allowed)
+    single = _sdpa(q, k, v, dout, allowed)
+    out, lse = KERNEL.forward(q, k, v, mask, head_dim ** -0.5, tiles=tiles)
+    got = [out, *KERNEL.backward(dout, q, k, v, out, lse, mask, head_dim ** -0.5, tiles=tiles)]
+    for name, x, s, ref in zip("out dq dk dv".split(), got, single, reference):
+        assert rel_rms(x, ref) <= LIMIT * rel_rms(s, ref), (name, rel_rms(x, ref), rel_rms(s, ref))
+        assert rel_rms(x * 1.01, ref) > LIMIT * rel_rms(s, ref), name
 
 
 def test_split_keys_merged_equal_whole_attention():

@@ -1,17 +1,13 @@
 """The Triton merge and accumulation (``triton_merge.py``, the CUDA entry of ``merge.FP32_OPS``)
-against the torch ops and float64: on a GPU compiled, on CPU under TRITON_INTERPRET=1 (set here before the kernel is
-first imported; skipped where triton is not installed).
+against the torch ops and float64: on a GPU compiled, on CPU under TRITON_INTERPRET=1 (set by
+conftest.py; skipped where triton is not installed).
 
 Tolerance: the torch and Triton forms round differently (exp/log approximations, operation order),
 so they agree to a few fp32 ulps, not bit for bit: 2e-6 relative on out and lse of order 1..10.
 """
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from dtensor_ring.merge import FP32_OPS, TorchFp32, TritonFp32, init_, merge_  # noqa: E402
