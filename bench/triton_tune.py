@@ -27,7 +27,7 @@ from timing import local_median_ms  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE  # noqa: E402
 from dtensor_ring.kernels.cuda import Cudnn  # noqa: E402
 from dtensor_ring.kernels.triton_exact import TUNED, Tiles, TritonExact  # noqa: E402
-from dtensor_ring.numerics import NAMES, errors, make_inputs, sdpa  # noqa: E402
+from dtensor_ring.numerics import NAMES, errors, fwd_bwd, make_inputs, sdpa  # noqa: E402
 
 # Around the best of a first, wider sweep (bench/results/2026-11-23_triton_tune_h200/).
 CANDIDATES = {
@@ -68,7 +68,7 @@ def cases(args):
             yield f"{name} {args.heads}/{kv_heads}", qb, kb, vb, db, out, lse, mask
 
 
-def timer(kernel_part, tiles, case, args):
+def timer(kernel_part, tiles, case):
     _, q, k, v, dout, out, lse, mask = case
     scale = 128 ** -0.5
     if kernel_part == "forward":
@@ -84,7 +84,7 @@ def sweep(part, chosen, all_cases, args, rows):
         row = dict(sweep=part, tiles=cand._asdict(), ms={})
         try:
             for case in all_cases:
-                row["ms"][case[0]] = local_median_ms(timer(part, tiles, case, args),
+                row["ms"][case[0]] = local_median_ms(timer(part, tiles, case),
                                                      args.warmup, args.iters)
         except Exception as exc:  # noqa: BLE001 - an out-of-resources tile is skipped, reported
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -109,9 +109,9 @@ def versus_cudnn(best, all_cases, args, rows):
             args.warmup, args.iters)
         for name, tiles in (("best", best), ("tuned", TUNED)):
             case = (label, q, k, v, dout, out, lse, mask)
-            row[f"{name}_fwd_ms"] = local_median_ms(timer("forward", tiles, case, args),
+            row[f"{name}_fwd_ms"] = local_median_ms(timer("forward", tiles, case),
                                                     args.warmup, args.iters)
-            row[f"{name}_bwd_ms"] = local_median_ms(timer("backward", tiles, case, args),
+            row[f"{name}_bwd_ms"] = local_median_ms(timer("backward", tiles, case),
                                                     args.warmup, args.iters)
             fwd, bwd = row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"]
             row[f"{name}_vs_cudnn"] = dict(fwd=row["cudnn_fwd_ms"] / fwd,
@@ -123,17 +123,18 @@ def versus_cudnn(best, all_cases, args, rows):
 
 
 def accuracy(best, args, rows):
-    """Errors against float64 on the whole causal sequence, per seed: Triton (best, tuned), cuDNN."""
+    """Errors against float64 on the whole causal sequence, per seed: Triton (best and tuned
+    tiles), cuDNN."""
     scale = 128 ** -0.5
     for seed in range(args.seeds):
         q64, k64, v64, d64 = (x.cuda() for x in make_inputs(1, 8, 8, args.accuracy_seq, 128,
                                                             seed=seed))
         q, k, v, dout = (x.bfloat16() for x in (q64, k64, v64, d64))
-        ref = _sdpa_grads(q.double(), k.double(), v.double(), dout.double())
+        ref = fwd_bwd(sdpa(True), q.double(), k.double(), v.double(), dout.double())
         out16, lse16 = CUDNN.forward(q, k, v, CAUSAL, scale)
         grads16 = CUDNN.backward(dout, q, k, v, out16, lse16, CAUSAL, scale)
         row = dict(accuracy_seed=seed, seq=args.accuracy_seq, cudnn=errors([out16, *grads16], ref),
-                   sdpa=errors(_sdpa_grads(q, k, v, dout), ref))
+                   sdpa=errors(fwd_bwd(sdpa(True), q, k, v, dout), ref))
         for name, tiles in (("best", best), ("tuned", TUNED)):
             out, lse = KERNEL.forward(q, k, v, CAUSAL, scale, tiles=tiles)
             grads = KERNEL.backward(dout, q, k, v, out, lse, CAUSAL, scale, tiles=tiles)
@@ -145,13 +146,6 @@ def accuracy(best, args, rows):
         rows.append(row)
         print(json.dumps(row), flush=True)
         del ref
-
-
-def _sdpa_grads(q, k, v, dout):
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = sdpa(True)(q, k, v)
-    out.backward(dout)
-    return [out.detach(), q.grad, k.grad, v.grad]
 
 
 def main():

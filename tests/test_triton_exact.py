@@ -50,9 +50,24 @@ def _sdpa(q, k, v, dout, allowed):
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def _triton(q, k, v, dout, mask, scale):
-    out, lse = KERNEL.forward(q, k, v, mask, scale)
-    return [out, *KERNEL.backward(dout, q, k, v, out, lse, mask, scale)]
+def _triton(q, k, v, dout, mask, scale, tiles=None):
+    out, lse = KERNEL.forward(q, k, v, mask, scale, tiles=tiles)
+    return [out, *KERNEL.backward(dout, q, k, v, out, lse, mask, scale, tiles=tiles)]
+
+
+def _check_against_float64(sq, sk, head_dim, dtype, mask, tiles=None, seed=0):
+    """The kernel's out, dq, dk, dv (fp32) each within LIMIT x the single-device kernel's rel-RMS
+    against float64, and a 1% error outside it; returns (inputs, allowed, got, reference)."""
+    q, k, v, dout = _inputs(sq, sk, head_dim, dtype, seed=seed)
+    allowed = _allowed(mask, sq, sk)
+    reference = _sdpa(*(x.double() for x in (q, k, v, dout)), allowed)
+    single = _sdpa(q, k, v, dout, allowed)
+    got = _triton(q, k, v, dout, mask, head_dim ** -0.5, tiles)
+    for name, x, s, ref in zip("out dq dk dv".split(), got, single, reference):
+        assert x.dtype == torch.float32, name
+        assert rel_rms(x, ref) <= LIMIT * rel_rms(s, ref), (name, rel_rms(x, ref), rel_rms(s, ref))
+        assert rel_rms(x * 1.01, ref) > LIMIT * rel_rms(s, ref), name
+    return (q, k, v, dout), allowed, got, reference
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -62,40 +77,26 @@ def _triton(q, k, v, dout, mask, scale):
 def test_triton_exact_kernel_against_float64(dtype, head_dim, mask, sq, sk):
     if DEVICE.type == "cpu" and (dtype == torch.float16) != (head_dim == 80):
         pytest.skip("interpreter: one dtype per head dim keeps the CPU run short")
-    sq, sk = sq * SIZE, sk * SIZE
-    q, k, v, dout = _inputs(sq, sk, head_dim, dtype)
-    allowed = _allowed(mask, sq, sk)
-    reference = _sdpa(*(x.double() for x in (q, k, v, dout)), allowed)
-    single = _sdpa(q, k, v, dout, allowed)
-    got = _triton(q, k, v, dout, mask, head_dim ** -0.5)
-    for name, x, s, ref in zip("out dq dk dv".split(), got, single, reference):
-        assert x.dtype == torch.float32, name
-        assert rel_rms(x, ref) <= LIMIT * rel_rms(s, ref), (name, rel_rms(x, ref), rel_rms(s, ref))
-        assert rel_rms(x * 1.01, ref) > LIMIT * rel_rms(s, ref), name
+    inputs, allowed, got, reference = _check_against_float64(sq * SIZE, sk * SIZE, head_dim,
+                                                             dtype, mask)
     if mask == CAUSAL_BOTTOM_RIGHT:
-        top_left = _sdpa(q, k, v, dout, torch.ones_like(allowed).tril())
+        top_left = _sdpa(*inputs, torch.ones_like(allowed).tril())
         assert rel_rms(top_left[0], reference[0]) > 100 * rel_rms(got[0], reference[0])
 
 
 @pytest.mark.parametrize("mask,sq,sk", [(NONE, 40, 75), (CAUSAL, 70, 70),
                                         (CAUSAL_BOTTOM_RIGHT, 45, 99)])
 def test_triton_exact_kernel_with_unequal_tiles(mask, sq, sk):
-    """q tiles twice (forward, dq) or half (dK/dV) the k tiles, as the GPU's tuned tiles are: the
-    masked band, the unmasked tiles and the ragged ends fall at other rows than with square tiles."""
+    """q tiles twice (forward, dq) or half (dK/dV) the k tiles, as the GPU's tuned tiles are:
+    the masked band, the unmasked tiles and the ragged ends fall at other rows than with square
+    tiles."""
     head_dim = 64 if DEVICE.type == "cuda" else 16
     base = 64 if DEVICE.type == "cuda" else 16
     tiles = dict(forward=Tiles(2 * base, base), dkdv=Tiles(base, 2 * base),
                  dq=Tiles(2 * base, base))
-    sq, sk = sq * max(1, SIZE // 4), sk * max(1, SIZE // 4)
-    q, k, v, dout = _inputs(sq, sk, head_dim, torch.bfloat16, seed=3)
-    allowed = _allowed(mask, sq, sk)
-    reference = _sdpa(*(x.double() for x in (q, k, v, dout)), allowed)
-    single = _sdpa(q, k, v, dout, allowed)
-    out, lse = KERNEL.forward(q, k, v, mask, head_dim ** -0.5, tiles=tiles)
-    got = [out, *KERNEL.backward(dout, q, k, v, out, lse, mask, head_dim ** -0.5, tiles=tiles)]
-    for name, x, s, ref in zip("out dq dk dv".split(), got, single, reference):
-        assert rel_rms(x, ref) <= LIMIT * rel_rms(s, ref), (name, rel_rms(x, ref), rel_rms(s, ref))
-        assert rel_rms(x * 1.01, ref) > LIMIT * rel_rms(s, ref), name
+    scale_up = max(1, SIZE // 4)
+    _check_against_float64(sq * scale_up, sk * scale_up, head_dim, torch.bfloat16, mask, tiles,
+                           seed=3)
 
 
 def test_split_keys_merged_equal_whole_attention():

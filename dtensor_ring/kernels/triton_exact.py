@@ -116,7 +116,8 @@ class TritonExact(BlockKernel):
         kv_heads, seq_k = k.shape[1], k.shape[2]
         strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
         sizes = (q_heads // kv_heads, seq_q, seq_k, offset, scale, scale * ta.LOG2E)
-        shape_dkdv, shape_dq = _tiles(tiles)["dkdv"], _tiles(tiles)["dq"]
+        chosen = _tiles(tiles)
+        shape_dkdv, shape_dq = chosen["dkdv"], chosen["dq"]
         with _launching():
             ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
                 q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), kv_heads, *sizes,
