@@ -99,6 +99,15 @@ def test_triton_exact_kernel_with_unequal_tiles(mask, sq, sk):
                            seed=3)
 
 
+def test_tiles_override_errors():
+    q, k, v, _ = _inputs(16, 16, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"tiles has the key 'fwd'; valid keys: \['forward', "
+                                         r"'dkdv', 'dq'\]"):
+        KERNEL.forward(q, k, v, NONE, 0.25, tiles={"fwd": Tiles(16, 16)})
+    with pytest.raises(TypeError, match=r"tiles\['dq'\] must be a Tiles; got tuple"):
+        KERNEL.forward(q, k, v, NONE, 0.25, tiles={"dq": (16, 16)})
+
+
 def test_split_keys_merged_equal_whole_attention():
     """A strided view of K/V (no copy) in two halves, merged in fp32, each half's backward taking
     the fp32 merged out: the whole attention within 1.02x of the unsplit exact kernel's error."""

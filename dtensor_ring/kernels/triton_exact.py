@@ -51,7 +51,14 @@ INTERPRETED = dict(forward=Tiles(16, 16), dkdv=Tiles(16, 16), dq=Tiles(16, 16))
 
 
 def _tiles(overrides):
-    return {**(INTERPRETED if interpreting() else TUNED), **(overrides or {})}
+    """The launch shapes: the defaults, with ``overrides`` ({kernel: Tiles}) in their place."""
+    defaults = INTERPRETED if interpreting() else TUNED
+    for part, tiles in (overrides or {}).items():
+        if part not in defaults:
+            raise ValueError(f"tiles has the key {part!r}; valid keys: {list(defaults)}")
+        if not isinstance(tiles, Tiles):
+            raise TypeError(f"tiles[{part!r}] must be a Tiles; got {type(tiles).__name__}")
+    return {**defaults, **(overrides or {})}
 
 
 def _launch(tiles: Tiles) -> dict:
