@@ -12,10 +12,18 @@ and the error of each call against float64 (rel-RMS of out).
 
 ``--poison``: before every call, fill 8 GiB of the caching allocator's free memory with NaN (allocate,
 fill, free), so a read of memory nothing wrote shows up as NaN in the outputs (counted per call).
+
+``--record``: keep every exact-kernel forward call's inputs and outputs and every merge's accumulator
+before and after, and report per call which of them differ bit-wise from the first call's: whether
+a difference starts in the K/V received, in the kernel's output, or in the merge.
+
+``--simulate``: the same on one GPU through ``simulate_ring`` (threads, one stream, no NCCL); then
+``--out`` is written by the single process.
 """
 import argparse
 import json
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -34,6 +42,73 @@ def compare(first, later):
                 n_rows=int(rows.numel()))
 
 
+def bits(x):
+    return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def bit_diff(a, b):
+    """Elements that differ bit-wise, and the rows (dim 2) they are in."""
+    differ = bits(a) != bits(b)
+    rows = differ.flatten(3).any(-1).any(0).any(0) if differ.dim() == 4 else \
+        differ.any(0).any(0)
+    found = rows.nonzero().flatten().tolist()
+    return dict(count=int(differ.sum()), rows=found[:8], n_rows=len(found))
+
+
+class Recorder:
+    """Clones of the exact kernel's forward inputs/outputs and the merges' accumulators, per call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def install(self):
+        import dtensor_ring.schedules.base as base  # noqa: PLC0415
+        from dtensor_ring.kernels.triton_exact import TritonExact  # noqa: PLC0415
+
+        forward, merge = TritonExact.forward, base.merge_
+
+        def recorded_forward(kernel, q, k, v, mask, scale, tiles=None):
+            out, lse = forward(kernel, q, k, v, mask, scale, tiles)
+            self.add("forward", q=q, k=k, v=v, out=out, lse=lse)
+            return out, lse
+
+        def recorded_merge(out, lse, block_out, block_lse):
+            before = out.clone(), lse.clone()
+            merge(out, lse, block_out, block_lse)
+            self.add("merge", out_before=before[0], lse_before=before[1], block_out=block_out,
+                     block_lse=block_lse, out=out, lse=lse)
+
+        TritonExact.forward, base.merge_ = recorded_forward, recorded_merge
+
+    def start_call(self):
+        self.calls.append({})
+
+    def add(self, what, **tensors):
+        # Per thread: simulated ranks are threads, created in rank order ("Thread-N (body)").
+        thread = threading.current_thread().name
+        entries = self.calls[-1].setdefault(thread, [])
+        entries.append((what, {n: t.detach().clone() for n, t in tensors.items()}))
+
+    @staticmethod
+    def _in_rank_order(call):
+        def number(name):
+            digits = "".join(c for c in name.split(" ")[0] if c.isdigit())
+            return int(digits) if digits else -1
+        return [entry for name in sorted(call, key=number) for entry in call[name]]
+
+    def report(self):
+        calls = [self._in_rank_order(c) for c in self.calls]
+        first = calls[0]
+        found = []
+        for i, call in enumerate(calls[1:], start=1):
+            for j, ((what, a), (_, b)) in enumerate(zip(first, call)):
+                diffs = {n: bit_diff(a[n], b[n]) for n in a}
+                diffs = {n: d for n, d in diffs.items() if d["count"]}
+                if diffs:
+                    found.append(dict(call=i, entry=j, what=what, differ=diffs))
+        return dict(entries_per_call=[len(c) for c in calls], differences=found)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens-per-gpu", type=int, default=4096)
@@ -43,8 +118,22 @@ def main():
     p.add_argument("--schedules", default="zigzag,ring,stripe,llama3")
     p.add_argument("--precisions", default="exact,fp32")
     p.add_argument("--poison", action="store_true")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--tiles", metavar="JSON", help='launch shapes for triton_exact, e.g. '
+                   '\'{"forward": [128, 128, 8, 2]}\' (Tiles fields; the rest stay TUNED)')
+    p.add_argument("--record", action="store_true")
+    p.add_argument("--simulate", type=int, default=0, metavar="W",
+                   help="W simulated ranks on one GPU instead of a process group")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.tiles:
+        from dtensor_ring.kernels.triton_exact import TUNED, Tiles  # noqa: PLC0415
+        TUNED.update({part: Tiles(*shape) for part, shape in json.loads(args.tiles).items()})
+    recorder = Recorder() if args.record else None
+    if recorder:
+        recorder.install()
+    if args.simulate:
+        return simulate(args, recorder)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -64,12 +153,14 @@ def main():
         for precision in args.precisions.split(","):
             def ring(a, b, c):
                 return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule, is_causal=True,
-                                         precision=precision)
+                                         precision=precision, backend=args.backend)
 
             calls = []
             for _ in range(args.repeats):
                 if args.poison:
                     torch.full((2 << 30,), float("nan"), device="cuda")  # freed at once, cached
+                if recorder:
+                    recorder.start_call()
                 local = fwd_bwd(ring, *shards)
                 gathered = [dr.unshard_sequence(x.contiguous(), mesh, layout=layout)
                             for x in local]
@@ -83,6 +174,10 @@ def main():
                                         zip(NAMES, calls[0][0], local)}
                 row[f"call{i}_gathered"] = {n: compare(a, b) for n, a, b in
                                            zip(NAMES, calls[0][1], gathered)}
+            if recorder:
+                row["record"] = recorder.report()
+                recorder.calls.clear()
+                print(json.dumps(dict(rank=rank, record=row["record"])), flush=True)
             rows.append(row)
             changed = sum(v[n]["count"] for k, v in row.items() if k.startswith("call")
                           for n in NAMES)
@@ -96,6 +191,43 @@ def main():
         with open(args.out, "w") as f:
             json.dump([r for part in everyone for r in part], f, indent=1)
     dist.destroy_process_group()
+
+
+def simulate(args, recorder):
+    """The probe through ``simulate_ring`` on one GPU (whole tensors, compared as they come out)."""
+    seq, d, world = args.tokens_per_gpu * args.simulate, 128, args.simulate
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 checks
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = [(1, args.heads, seq, d), (1, args.kv_heads, seq, d), (1, args.kv_heads, seq, d),
+              (1, args.heads, seq, d)]
+    inputs = [torch.randn(s, generator=gen, device=device, dtype=torch.float64).bfloat16()
+              for s in shapes]
+    rows = []
+    for schedule in args.schedules.split(","):
+        for precision in args.precisions.split(","):
+            def ring(a, b, c):
+                return dr.simulate_ring(a, b, c, world_size=world, schedule=schedule,
+                                        is_causal=True, precision=precision,
+                                        backend=args.backend)
+
+            calls = []
+            for _ in range(args.repeats):
+                if args.poison:
+                    torch.full((2 << 30,), float("nan"), device=device)
+                if recorder:
+                    recorder.start_call()
+                calls.append(fwd_bwd(ring, *inputs))
+            row = dict(schedule=schedule, precision=precision, simulated_world=world,
+                       nan_counts=[[int(x.isnan().sum()) for x in c] for c in calls])
+            for i, later in enumerate(calls[1:], start=1):
+                row[f"call{i}"] = {n: compare(a, b) for n, a, b in zip(NAMES, calls[0], later)}
+            if recorder:
+                row["record"] = recorder.report()
+                recorder.calls.clear()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
