@@ -197,9 +197,10 @@ def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
     DK and DV (fp32) share sg*.
 
     dq has its own kernel, which recomputes S and dP (7 products per tile pair instead of 5).
-    Adding dq here by fp32 atomic adds instead was measured no faster on an H200 (14.6 vs
-    14.1 ms at 16K x 16K causal, 32 heads; bench/results/2026-11-23_triton_tune_h200/), and its
-    sums would change from run to run.
+    Adding dq here instead was measured no faster on an H200, by per-element fp32 atomics (14.6
+    vs 14.1 ms at 16K x 16K causal, 32 heads; bench/results/2026-11-23_triton_tune_h200/) and by
+    TMA reduce-add (14.4-15.2 vs 13.8-14.8 ms; bench/results/2026-11-23_dq_tma_reduce_h200/),
+    and its sums would change from run to run.
 
     q tiles:  first ...... full_start ...... seq_q      (this k tile's view)
               masked band  |  unmasked        | ragged end (masked)
