@@ -5,7 +5,8 @@ fp32 results, so nothing the ring merges or sums is rounded to 16 bits.
                unnormalised accumulator); writes out = acc / l in fp32 and the LSE (natural log).
     _dkdv      grid (k tiles, B * Hkv): for one k tile, loops over the q heads of its GQA group and
                over q tiles; writes dk, dv in fp32. K/V are read through the kv head index (no copy).
-    _dq        grid (q tiles, B * Hq):  for one q tile, loops over k tiles; writes dq in fp32.
+    _dq        grid (q tiles, B * Hq):  for one q tile, loops over k tiles; writes dq in fp32, and
+               D = rowsum(dO * O) of its rows for _dkdv, which runs after it.
 
 The masks (``kernels/base.py``): q row i sees k row j iff j <= i + ``offset`` when CAUSAL, with
 offset 0 for "causal" and Sk - Sq for "causal_bottom_right". Each program walks its tiles in two
@@ -265,13 +266,15 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, 
 
 
 @triton.jit
-def _dq(Q, K, V, DO, Lse, Delta, DQ,
+def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-        sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgm, sgd,
+        sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgm, sgd, sob, soh, som, sod,
         q_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
         CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    """dq of one q tile (fp32 DQ with strides sg*); its k tiles as in the forward."""
+    """dq of one q tile (fp32 DQ with strides sg*); its k tiles as in the forward. It runs
+    before ``_dkdv`` and writes that kernel's D = rowsum(dO * O) of its rows into ``Delta``, from
+    the fp32 merged ``Out`` (strides so*): one read of O, no separate passes."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
@@ -283,7 +286,9 @@ def _dq(Q, K, V, DO, Lse, Delta, DQ,
     q = _load(Q + b * sqb + h * sqh, rows, sqm, seq_q, dims, sqd, True, HEAD_DIM, BLOCK_D)
     do = _load(DO + b * sdb + h * sdh, rows, sdm, seq_q, dims, sdd, True, HEAD_DIM, BLOCK_D)
     lse = tl.load(Lse + b * slb + h * slh + rows * slm, mask=rows < seq_q, other=0.0)
-    delta = tl.load(Delta + b * slb + h * slh + rows * slm, mask=rows < seq_q, other=0.0)
+    o = _load(Out + b * sob + h * soh, rows, som, seq_q, dims, sod, True, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(do.to(tl.float32) * o, 1)
+    tl.store(Delta + b * slb + h * slh + rows * slm, delta, mask=rows < seq_q)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -115,7 +115,7 @@ class TritonExact(BlockKernel):
         offset = _offset(mask, q.shape[2], k.shape[2])
         dout = dout.to(q.dtype)  # lossless: autograd may hand back the fp32 out's gradient
         lse = lse.float().contiguous()
-        delta = (dout.float() * out.float()).sum(-1)  # D from the fp32 merged out
+        delta = torch.empty_like(lse)  # D = rowsum(dO * O), from the fp32 merged out: _dq writes it
         dq = q.new_empty(q.shape, dtype=torch.float32)
         dk = k.new_empty(k.shape, dtype=torch.float32)
         dv = torch.empty_like(dk)
@@ -126,14 +126,14 @@ class TritonExact(BlockKernel):
         chosen = _tiles(tiles)
         shape_dkdv, shape_dq = chosen["dkdv"], chosen["dq"]
         with _launching():
+            ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
+                q, k, v, dout, lse, delta, dq, out, *strides, *dq.stride(), *out.stride(),
+                q_heads, *sizes, BLOCK_M=shape_dq.block_m, BLOCK_N=shape_dq.block_n,
+                **_constants(q, mask), **_launch(shape_dq))
             ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
                 q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), kv_heads, *sizes,
                 BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **_constants(q, mask),
                 **_launch(shape_dkdv))
-            ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
-                q, k, v, dout, lse, delta, dq, *strides, *dq.stride(), q_heads, *sizes,
-                BLOCK_M=shape_dq.block_m, BLOCK_N=shape_dq.block_n, **_constants(q, mask),
-                **_launch(shape_dq))
         return dq, dk, dv
 
 
