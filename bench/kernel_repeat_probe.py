@@ -3,18 +3,20 @@
     python bench/kernel_repeat_probe.py --launches 3000 --out kernel_repeat.json
 
 For zigzag's W = 2 blocks (q 2048 x k 4096 and q 4096 x k 2048 full, 4096 x 4096 causal; 8 heads,
-d = 128, bf16) and each launch shape in ``--tiles`` (forward, dK/dV, dq), the kernel runs
+d = 128, bf16) and each launch shape in ``FORWARD_TILES`` / ``BACKWARD_TILES``, the kernel runs
 ``--launches`` times on the same inputs; every result is compared bit for bit with the first, on
 the GPU (no host sync per launch). Reported per kernel: launches whose result differed, rows that
-differed in total, and for the forward whether ``lse`` differed too. With ``--noise`` a second
+differed in total, and for the forward whether ``lse`` differed too. With ``--noise on`` a second
 stream copies 512 MiB back and forth meanwhile, as NCCL's transfers load the memory system in a ring.
-The merge kernel (``triton_merge.merge_``) is checked the same way.
+The merge kernel (``triton_merge.merge_``) is checked the same way. ``--kernels`` picks among
+forward, merge and backward.
 """
 import argparse
 import json
 import time
 
 import torch
+from repeat_probe import bits
 
 from dtensor_ring import triton_merge
 from dtensor_ring.kernels.triton_exact import TUNED, Tiles, TritonExact
@@ -24,18 +26,12 @@ FORWARD_TILES = [TUNED["forward"], Tiles(128, 128, 8, 2), Tiles(128, 64, 4, 3),
 BACKWARD_TILES = [(TUNED["dkdv"], TUNED["dq"]), (Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2)),
                   (Tiles(32, 64, 4, 2), Tiles(64, 32, 4, 2))]
 BLOCKS = [(2048, 4096, "none"), (4096, 2048, "none"), (4096, 4096, "causal")]
-
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a TRITON_INTERPRET=1 dry run
 
 
 def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-def bits(x):
-    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
 class Count:

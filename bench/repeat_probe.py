@@ -55,6 +55,21 @@ def bit_diff(a, b):
     return dict(count=int(differ.sum()), rows=found[:8], n_rows=len(found))
 
 
+def inputs_float64(args, seq, device):
+    """q, k, v, dout of the whole sequence, float64 (seed 0; the same in every process)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = [(1, args.heads, seq, 128), (1, args.kv_heads, seq, 128),
+              (1, args.kv_heads, seq, 128), (1, args.heads, seq, 128)]
+    return [torch.randn(s, generator=gen, device=device, dtype=torch.float64) for s in shapes]
+
+
+def before_call(args, recorder, device):
+    if args.poison:
+        torch.full((2 << 30,), float("nan"), device=device)  # freed at once, cached
+    if recorder:
+        recorder.start_call()
+
+
 class Recorder:
     """Clones of the exact kernel's forward inputs/outputs and the merges' accumulators, per call."""
 
@@ -138,11 +153,7 @@ def main():
     dist.init_process_group("nccl")
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cuda", (world,))
-    seq, d = args.tokens_per_gpu * world, 128
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes = [(1, args.heads, seq, d), (1, args.kv_heads, seq, d), (1, args.kv_heads, seq, d),
-              (1, args.heads, seq, d)]
-    x64 = [torch.randn(s, generator=gen, device="cuda", dtype=torch.float64) for s in shapes]
+    x64 = inputs_float64(args, args.tokens_per_gpu * world, "cuda")
     inputs = [x.bfloat16() for x in x64]
     ref_out = torch.nn.functional.scaled_dot_product_attention(
         *x64[:3], is_causal=True, enable_gqa=args.heads != args.kv_heads)
@@ -157,10 +168,7 @@ def main():
 
             calls = []
             for _ in range(args.repeats):
-                if args.poison:
-                    torch.full((2 << 30,), float("nan"), device="cuda")  # freed at once, cached
-                if recorder:
-                    recorder.start_call()
+                before_call(args, recorder, "cuda")
                 local = fwd_bwd(ring, *shards)
                 gathered = [dr.unshard_sequence(x.contiguous(), mesh, layout=layout)
                             for x in local]
@@ -195,13 +203,9 @@ def main():
 
 def simulate(args, recorder):
     """The probe through ``simulate_ring`` on one GPU (whole tensors, compared as they come out)."""
-    seq, d, world = args.tokens_per_gpu * args.simulate, 128, args.simulate
+    world = args.simulate
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 checks
-    gen = torch.Generator(device=device).manual_seed(0)
-    shapes = [(1, args.heads, seq, d), (1, args.kv_heads, seq, d), (1, args.kv_heads, seq, d),
-              (1, args.heads, seq, d)]
-    inputs = [torch.randn(s, generator=gen, device=device, dtype=torch.float64).bfloat16()
-              for s in shapes]
+    inputs = [x.bfloat16() for x in inputs_float64(args, args.tokens_per_gpu * world, device)]
     rows = []
     for schedule in args.schedules.split(","):
         for precision in args.precisions.split(","):
@@ -212,10 +216,7 @@ def simulate(args, recorder):
 
             calls = []
             for _ in range(args.repeats):
-                if args.poison:
-                    torch.full((2 << 30,), float("nan"), device=device)
-                if recorder:
-                    recorder.start_call()
+                before_call(args, recorder, device)
                 calls.append(fwd_bwd(ring, *inputs))
             row = dict(schedule=schedule, precision=precision, simulated_world=world,
                        nan_counts=[[int(x.isnan().sum()) for x in c] for c in calls])
