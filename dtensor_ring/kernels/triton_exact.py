@@ -123,16 +123,16 @@ class TritonExact(BlockKernel):
         kv_heads, seq_k = k.shape[1], k.shape[2]
         strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
         sizes = (q_heads // kv_heads, seq_q, seq_k, offset, scale, scale * ta.LOG2E)
-        chosen = _tiles(tiles)
+        chosen, constants = _tiles(tiles), _constants(q, mask)
         shape_dkdv, shape_dq = chosen["dkdv"], chosen["dq"]
         with _launching():
             ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
                 q, k, v, dout, lse, delta, dq, out, *strides, *dq.stride(), *out.stride(),
                 q_heads, *sizes, BLOCK_M=shape_dq.block_m, BLOCK_N=shape_dq.block_n,
-                **_constants(q, mask), **_launch(shape_dq))
+                **constants, **_launch(shape_dq))
             ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
                 q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), kv_heads, *sizes,
-                BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **_constants(q, mask),
+                BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **constants,
                 **_launch(shape_dkdv))
         return dq, dk, dv
 
