@@ -32,9 +32,11 @@ skips what is left once that many seconds have passed (the ranks agree on it).
 --nccl-high-priority: NCCL's streams at high priority (a user setting passed to
 init_process_group), to see whether the exchanges then start before the compute they overlap.
 
---profile FILE: first, a torch.profiler summary of zigzag fp32 forward+backward (--profile-tokens per
-GPU, q heads = kv heads = --heads): the top kernels by GPU time, per-category totals and how much
-NCCL time no compute kernel overlaps, per rank (FILE with ``_r<rank>`` before the suffix).
+--profile FILE: first, a torch.profiler summary of forward+backward for each of --profile-methods
+(``<schedule>_<precision>``, default zigzag_fp32; --profile-tokens per GPU, --heads q heads and
+--profile-kv-heads kv heads): the top kernels by GPU time, per-category totals and how much NCCL
+time no compute kernel overlaps, per rank and method (FILE with ``_<method>_r<rank>`` before the
+suffix, and the chrome trace beside it).
 """
 import argparse
 import datetime
@@ -96,8 +98,11 @@ def parse_args(argv=None):
     p.add_argument("--out", help="JSON results (rewritten after every row)")
     p.add_argument("--plot", help="PNG: fraction of the ideal vs tokens per GPU")
     p.add_argument("--plot-only", metavar="JSON", help="only plot an earlier run's JSON")
-    p.add_argument("--profile", metavar="FILE", help="profile zigzag fp32 fwd+bwd first")
+    p.add_argument("--profile", metavar="FILE", help="profile --profile-methods' fwd+bwd first")
+    p.add_argument("--profile-methods", default="zigzag_fp32",
+                   help="comma-separated <schedule>_<precision> names to profile")
     p.add_argument("--profile-tokens", type=int, default=8192)
+    p.add_argument("--profile-kv-heads", type=int, help="kv heads to profile (default: --heads)")
     p.add_argument("--profile-iters", type=int, default=5)
     p.add_argument("--nccl-high-priority", action="store_true",
                    help="NCCL's internal streams at high priority (a user setting: "
@@ -544,18 +549,31 @@ def print_table(info, rows):
 
 
 def profile(args, mesh, device, path):
-    """torch.profiler over zigzag fp32 fwd+bwd: top kernels and where the GPU time goes."""
+    """torch.profiler over each of --profile-methods' fwd+bwd: top kernels, where the GPU time goes."""
+    for name in [m for m in args.profile_methods.split(",") if m]:
+        schedule, _, precision = name.rpartition("_")
+        if schedule not in dr.SCHEDULE_LAYOUT or precision not in PRECISIONS:
+            raise ValueError(f"--profile-methods has {name!r}; valid: "
+                             f"{[f'{s}_{p}' for s in SCHEDULES for p in PRECISIONS]}")
+        profile_one(args, mesh, device, path, schedule, precision)
+
+
+def profile_one(args, mesh, device, path, schedule, precision):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     rank, world = mesh.get_local_rank(), mesh.size()
     gen = torch.Generator(device=device).manual_seed(args.seed + rank)
-    shape = (args.batch, args.heads, args.profile_tokens, args.head_dim)
+    kv_heads = args.profile_kv_heads or args.heads
+    shapes = [(args.batch, heads, args.profile_tokens, args.head_dim)
+              for heads in (args.heads, kv_heads, kv_heads, args.heads)]
     q, k, v, dout = (torch.randn(shape, generator=gen, device=device).bfloat16()
-                     for _ in range(4))
+                     for shape in shapes)
+    backend = args.fp32_backend if precision == "fp32" else "auto"
 
     def step():
-        fwd_bwd(lambda a, b, c: dr.ring_attention(a, b, c, mesh=mesh, schedule="zigzag",
-                                                  is_causal=True, backend=args.fp32_backend),
+        fwd_bwd(lambda a, b, c: dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule,
+                                                  is_causal=True, precision=precision,
+                                                  backend=backend),
                 q, k, v, dout)
 
     for _ in range(3):
@@ -570,10 +588,11 @@ def profile(args, mesh, device, path):
         if device == "cuda":
             torch.cuda.synchronize()
     root, ext = os.path.splitext(path)
-    trace = f"{root}_r{rank}.trace.json"
+    stem = f"{root}_{schedule}_{precision}_r{rank}"
+    trace = f"{stem}.trace.json"
     prof.export_chrome_trace(trace)
-    lines = [f"zigzag fp32 fwd+bwd, W={world}, rank {rank}, {args.profile_tokens} tokens/GPU, "
-             f"{args.heads}/{args.heads} heads, d={args.head_dim}, causal bf16, "
+    lines = [f"{schedule} {precision} fwd+bwd, W={world}, rank {rank}, {args.profile_tokens} "
+             f"tokens/GPU, {args.heads}/{kv_heads} heads, d={args.head_dim}, causal bf16, "
              f"{args.profile_iters} iterations profiled after 3 warm-up; torch {torch.__version__}"
              f"{'; NCCL high-priority streams' if args.nccl_high_priority else ''}",
              ""]
@@ -588,11 +607,10 @@ def profile(args, mesh, device, path):
             alt = key.replace("cuda", "device")
             lines.append(averages.table(sort_by=alt, row_limit=25, max_name_column_width=70)
                          if alt != key else describe(exc))
-    with open(f"{root}_r{rank}{ext}", "w") as f:
+    with open(f"{stem}{ext}", "w") as f:
         f.write("\n".join(lines) + "\n")
     if rank == 0:
         print("\n".join(lines[:40]), flush=True)
-    return trace
 
 
 CATEGORIES = [  # (category, substrings of the lower-cased kernel name), first match wins
