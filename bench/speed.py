@@ -549,7 +549,7 @@ def print_table(info, rows):
 
 
 def profile(args, mesh, device, path):
-    """torch.profiler over each of --profile-methods' fwd+bwd: top kernels, where the GPU time goes."""
+    """torch.profiler over each --profile-methods' fwd+bwd: top kernels, where GPU time goes."""
     for name in [m for m in args.profile_methods.split(",") if m]:
         schedule, _, precision = name.rpartition("_")
         if schedule not in dr.SCHEDULE_LAYOUT or precision not in PRECISIONS:
