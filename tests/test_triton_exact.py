@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import EXACT_BACKENDS  # noqa: E402
-from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE  # noqa: E402
+from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE, Into  # noqa: E402
 from dtensor_ring.kernels.triton_exact import Tiles  # noqa: E402
 from dtensor_ring.merge import init_, merge_  # noqa: E402
 from dtensor_ring.numerics import rel_rms  # noqa: E402
@@ -106,6 +106,53 @@ def test_tiles_override_errors():
         KERNEL.forward(q, k, v, NONE, 0.25, tiles={"fwd": Tiles(16, 16)})
     with pytest.raises(TypeError, match=r"tiles\['dq'\] must be a Tiles; got tuple"):
         KERNEL.forward(q, k, v, NONE, 0.25, tiles={"dq": (16, 16)})
+
+
+@pytest.mark.parametrize("name", ["triton_exact", "math_exact"])
+@pytest.mark.parametrize("add_q,add_kv", [(False, False), (True, True), (True, False)])
+def test_backward_into_writes_or_adds_into_accumulator_views(name, add_q, add_kv):
+    """``backward_into`` puts exactly ``backward``'s fp32 gradients into row views of larger
+    accumulators (the Triton kernels in their own stores, math_exact by the default accumulate
+    pass): overwritten, or added to what the rows held, and no row outside the view touched."""
+    kernel = EXACT_BACKENDS[name]
+    sq, sk, head_dim, scale = 19 * SIZE, 40 * SIZE, 64 if DEVICE.type == "cuda" else 16, 0.3
+    q, k, v, dout = _inputs(sq, sk, head_dim, torch.bfloat16, seed=2)
+    out, lse = kernel.forward(q, k, v, CAUSAL_BOTTOM_RIGHT, scale)
+    expected = kernel.backward(dout, q, k, v, out, lse, CAUSAL_BOTTOM_RIGHT, scale)
+    gen = torch.Generator().manual_seed(5)
+    accs = [torch.randn(x.shape[0], x.shape[1], x.shape[2] + 9, x.shape[3], generator=gen)
+            .to(DEVICE) for x in (q, k, v)]
+    before = [acc.clone() for acc in accs]
+    rows = [slice(4, 4 + x.shape[2]) for x in (q, k, v)]
+    into = [Into(acc[:, :, r], add) for acc, r, add in zip(accs, rows, (add_q, add_kv, add_kv))]
+    assert kernel.backward_into(into, dout, q, k, v, out, lse, CAUSAL_BOTTOM_RIGHT, scale) == (
+        None, None, None)
+    for name_, acc, old, r, grad, target in zip("dq dk dv".split(), accs, before, rows, expected,
+                                                into):
+        if target.add:  # compiled, the kernel fuses dq's and dk's scale into the add (an FMA):
+            # within one rounding of the product and one of the sum
+            want = old[:, :, r] + grad
+            slack = 2.0 ** -23 * (grad.abs() + want.abs())
+            assert ((acc[:, :, r] - want).abs() <= slack).all(), name_
+        else:
+            assert torch.equal(acc[:, :, r], grad), name_
+        assert torch.equal(acc[:, :, :r.start], old[:, :, :r.start]), name_
+        assert torch.equal(acc[:, :, r.stop:], old[:, :, r.stop:]), name_
+    # Only dq into an accumulator: dk and dv come back as backward's.
+    dq_acc = torch.zeros_like(expected[0])
+    got = kernel.backward_into((Into(dq_acc, False), None, None), dout, q, k, v, out, lse,
+                               CAUSAL_BOTTOM_RIGHT, scale)
+    assert got[0] is None and torch.equal(dq_acc, expected[0])
+    assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+
+
+def test_backward_into_needs_dk_and_dv_together():
+    q, k, v, dout = _inputs(16, 16, 16, torch.bfloat16)
+    out, lse = KERNEL.forward(q, k, v, NONE, 0.25)
+    dk = torch.zeros(k.shape, device=DEVICE)
+    with pytest.raises(ValueError, match=r"into: dk and dv go into accumulators together, with "
+                                         r"the same add; got dk Into\(add=False\), dv None"):
+        KERNEL.backward_into((None, Into(dk, False), None), dout, q, k, v, out, lse, NONE, 0.25)
 
 
 def test_split_keys_merged_equal_whole_attention():

@@ -10,7 +10,7 @@ import torch
 
 from ..kernels.base import NONE
 from ..layouts import Layout
-from ..schedules.base import RowSums, add_grads_, attend_, block_grads, fp32_empty
+from ..schedules.base import RowSums, attend_, block_backward, fp32_empty
 
 
 def _shards(layout: Layout, local_len: int, rank: int, world: int, device):
@@ -43,8 +43,7 @@ def local_backward(dout, q, k, v, out, lse, *, layout, rank, world, is_causal, s
         ks, vs = k.index_select(2, index), v.index_select(2, index)
         dks, dvs = RowSums(fp32_empty(ks)), RowSums(fp32_empty(vs))
         for block in layout.ring_blocks(local_len, rank, src, world, True):
-            grads = block_grads(kernel, dout, q, ks, vs, out, lse, block, scale)
-            add_grads_(block, grads, dq, dks, dvs)
+            block_backward(kernel, dout, q, ks, vs, out, lse, block, scale, dq, dks, dvs)
         dk.index_add_(2, index, dks.result())
         dv.index_add_(2, index, dvs.result())
     return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -14,8 +14,17 @@ share of the full attention's gradients. q is [B, Hq, S, D]; k and v may have Hk
 Exact kernels (``exact = True``, ``precision="exact"``) differ only in dtypes: ``forward`` returns
 ``out`` in fp32 (unrounded), ``backward`` takes that fp32 merged ``out`` and returns fp32 dq, dk, dv,
 so the schedules' fp32 merge and sums see no 16-bit rounding until the final cast.
+
+``backward_into`` is ``backward`` with the gradients going straight into the schedules' fp32
+accumulators (``Into``: a view and whether to add to it or overwrite it). By default it runs
+``backward`` and then one accumulation pass per gradient; ``triton_exact`` writes (or adds) in its
+own kernels, which saves those passes.
 """
+from typing import NamedTuple, Optional
+
 import torch
+
+from ..merge import accumulate_
 
 NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT = "none", "causal", "causal_bottom_right"
 MASKS = (NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT)
@@ -35,6 +44,23 @@ class BlockKernel:
 
     def backward(self, dout, q, k, v, out, lse, mask: str, scale: float):
         raise NotImplementedError
+
+    def backward_into(self, into: "tuple[Optional[Into], Optional[Into], Optional[Into]]",
+                      dout, q, k, v, out, lse, mask: str, scale: float):
+        """(dq, dk, dv) as ``backward``, except that each with an ``Into`` goes into it and is
+        None in the result; dk and dv both have one (with the same ``add``) or neither."""
+        grads = self.backward(dout, q, k, v, out, lse, mask, scale)
+        for target, grad in zip(into, grads):
+            if target is not None:
+                accumulate_(target.view, grad, target.add)
+        return tuple(None if target is not None else grad for target, grad in zip(into, grads))
+
+
+class Into(NamedTuple):
+    """Where a block's gradient goes: a view of an fp32 accumulator, and whether to add the
+    gradient to what the view holds (``add=True``) or overwrite it."""
+    view: torch.Tensor
+    add: bool
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

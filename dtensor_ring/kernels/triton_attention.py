@@ -8,6 +8,9 @@ fp32 results, so nothing the ring merges or sums is rounded to 16 bits.
     _dq        grid (q tiles, B * Hq):  for one q tile, loops over k tiles; writes dq in fp32, and
                D = rowsum(dO * O) of its rows for _dkdv, which runs after it.
 
+The backward kernels write their fp32 gradients into the caller's tensors (any strides: the
+schedules' accumulator views) or, with ADD, add them to what those hold: no separate pass.
+
 The masks (``kernels/base.py``): q row i sees k row j iff j <= i + ``offset`` when CAUSAL, with
 offset 0 for "causal" and Sk - Sq for "causal_bottom_right". Each program walks its tiles in two
 kinds of loop: tiles every row of which sees every column of (no mask, no bounds checks: most of
@@ -70,13 +73,19 @@ def _load(base, idx, stride, n, dims, stride_d, CHECK: tl.constexpr, HEAD_DIM: t
 
 
 @triton.jit
-def _store(base, idx, stride, n, dims, stride_d, value, HEAD_DIM: tl.constexpr,
+def _store(base, idx, stride, n, dims, stride_d, value, ADD: tl.constexpr, HEAD_DIM: tl.constexpr,
            BLOCK_D: tl.constexpr):
+    """``value`` into rows ``idx`` of a [n, HEAD_DIM] matrix; with ADD, added to what they hold.
+    One program owns its rows (no other program of the launch touches them)."""
     ptrs = base + idx[:, None] * stride + dims[None, :] * stride_d
     if HEAD_DIM == BLOCK_D:
-        tl.store(ptrs, value, mask=idx[:, None] < n)
+        inside = idx[:, None] < n
     else:
-        tl.store(ptrs, value, mask=(idx[:, None] < n) & (dims[None, :] < HEAD_DIM))
+        inside = (idx[:, None] < n) & (dims[None, :] < HEAD_DIM)
+    if ADD:
+        value += tl.load(ptrs, mask=inside, other=0.0)
+        tl.debug_barrier()  # in place: every thread has loaded before any stores (triton_merge.py)
+    tl.store(ptrs, value, mask=inside)
 
 
 @triton.jit
@@ -157,7 +166,8 @@ def _forward(Q, K, V, Out, Lse,
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
-    _store(Out + b * sob + h * soh, rows, som, seq_q, dims, sod, out, HEAD_DIM, BLOCK_D)
+    _store(Out + b * sob + h * soh, rows, som, seq_q, dims, sod, out, False, HEAD_DIM,
+           BLOCK_D)
     tl.store(Lse + b * slb + h * slh + rows * slm, lse, mask=rows < seq_q)
 
 
@@ -190,12 +200,12 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
 @triton.jit
 def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
           sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-          sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgn, sgd,
+          sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgn, sgd, sub, suh, sun, sud,
           kv_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
-          CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    """dk, dv of one k tile; ``Lse`` and ``Delta`` (fp32, [B, Hq, Sq]) share the strides sl*;
-    DK and DV (fp32) share sg*.
+    """dk, dv of one k tile, written (or with ADD added) into the fp32 DK (strides sg*) and DV
+    (su*); ``Lse`` and ``Delta`` (fp32, [B, Hq, Sq]) share the strides sl*.
 
     dq has its own kernel, which recomputes S and dP (7 products per tile pair instead of 5).
     Adding dq here instead was measured no faster on an H200, by per-element fp32 atomics (14.6
@@ -242,9 +252,9 @@ def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, full_end, rows_end, seq_q, seq_k, offset,
                              scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
-    base = b * sgb + hk * sgh
-    _store(DK + base, cols, sgn, seq_k, dims, sgd, dk * scale, HEAD_DIM, BLOCK_D)
-    _store(DV + base, cols, sgn, seq_k, dims, sgd, dv, HEAD_DIM, BLOCK_D)
+    _store(DK + b * sgb + hk * sgh, cols, sgn, seq_k, dims, sgd, dk * scale, ADD, HEAD_DIM,
+           BLOCK_D)
+    _store(DV + b * sub + hk * suh, cols, sun, seq_k, dims, sud, dv, ADD, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -270,9 +280,10 @@ def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
         sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgm, sgd, sob, soh, som, sod,
         q_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
-        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    """dq of one q tile (fp32 DQ with strides sg*); its k tiles as in the forward. It runs
+    """dq of one q tile, written (or with ADD added) into the fp32 DQ (strides sg*); its k tiles
+    as in the forward. It runs
     before ``_dkdv`` and writes that kernel's D = rowsum(dO * O) of its rows into ``Delta``, from
     the fp32 merged ``Out`` (strides so*): one read of O, no separate passes."""
     pid_m = tl.program_id(0)
@@ -300,4 +311,5 @@ def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims,
                    full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL, BLOCK_N,
                    HEAD_DIM, BLOCK_D, UPCAST)
-    _store(DQ + b * sgb + h * sgh, rows, sgm, seq_q, dims, sgd, dq * scale, HEAD_DIM, BLOCK_D)
+    _store(DQ + b * sgb + h * sgh, rows, sgm, seq_q, dims, sgd, dq * scale, ADD, HEAD_DIM,
+           BLOCK_D)

@@ -1,8 +1,9 @@
 """``triton_exact``: the exact block kernel on CUDA (the Triton kernels of ``triton_attention.py``).
 
 Reads bf16/fp16 q, k, v (any strides: the schedules' sliced views are not copied; GQA through the
-kv head index, never repeated); returns fp32 out and LSE, and fp32 dq, dk, dv. ``backward`` takes
-the fp32 merged ``out`` for D = rowsum(dO * O). Head dims up to 128 (non powers of two, e.g. 80,
+kv head index, never repeated); returns fp32 out and LSE, and fp32 dq, dk, dv, or with
+``backward_into`` stores (adds) them straight into the schedules' fp32 accumulators. The backward
+takes the fp32 merged ``out`` for D = rowsum(dO * O). Head dims up to 128 (non powers of two, e.g. 80,
 run in the next power-of-two tile, masked). Triton is optional: ``available`` is False without it.
 Under ``TRITON_INTERPRET=1`` the kernel also runs on CPU tensors (the tests use that).
 """
@@ -110,15 +111,25 @@ class TritonExact(BlockKernel):
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, tiles=None):
         """``tiles``: {"dkdv": Tiles, "dq": Tiles} to override the tuned launch shapes."""
+        return self.backward_into((None, None, None), dout, q, k, v, out, lse, mask, scale, tiles)
+
+    def backward_into(self, into, dout, q, k, v, out, lse, mask, scale, tiles=None):
+        """The kernels store (or add) straight into the ``Into`` views; see ``BlockKernel``."""
         from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
 
+        dq_into, dk_into, dv_into = into
+        if (dk_into is None) != (dv_into is None) or (dk_into and dk_into.add != dv_into.add):
+            def said(x):
+                return "None" if x is None else f"Into(add={x.add})"
+            raise ValueError(f"into: dk and dv go into accumulators together, with the same add; "
+                             f"got dk {said(dk_into)}, dv {said(dv_into)}")
         offset = _offset(mask, q.shape[2], k.shape[2])
         dout = dout.to(q.dtype)  # lossless: autograd may hand back the fp32 out's gradient
         lse = lse.float().contiguous()
         delta = torch.empty_like(lse)  # D = rowsum(dO * O), from the fp32 merged out: _dq writes it
-        dq = q.new_empty(q.shape, dtype=torch.float32)
-        dk = k.new_empty(k.shape, dtype=torch.float32)
-        dv = torch.empty_like(dk)
+        dq = dq_into.view if dq_into else q.new_empty(q.shape, dtype=torch.float32)
+        dk = dk_into.view if dk_into else k.new_empty(k.shape, dtype=torch.float32)
+        dv = dv_into.view if dv_into else torch.empty_like(dk)
         batch, q_heads, seq_q, _ = q.shape
         kv_heads, seq_k = k.shape[1], k.shape[2]
         strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
@@ -128,13 +139,15 @@ class TritonExact(BlockKernel):
         with _launching():
             ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
                 q, k, v, dout, lse, delta, dq, out, *strides, *dq.stride(), *out.stride(),
-                q_heads, *sizes, BLOCK_M=shape_dq.block_m, BLOCK_N=shape_dq.block_n,
-                **constants, **_launch(shape_dq))
+                q_heads, *sizes, ADD=bool(dq_into and dq_into.add), BLOCK_M=shape_dq.block_m,
+                BLOCK_N=shape_dq.block_n, **constants, **_launch(shape_dq))
             ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
-                q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), kv_heads, *sizes,
+                q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
+                kv_heads, *sizes, ADD=bool(dk_into and dk_into.add),
                 BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **constants,
                 **_launch(shape_dkdv))
-        return dq, dk, dv
+        return tuple(None if target is not None else grad
+                     for target, grad in zip(into, (dq, dk, dv)))
 
 
 def _constants(q, mask) -> dict:

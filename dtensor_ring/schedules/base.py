@@ -2,6 +2,7 @@
 import torch
 
 from ..kernels import BlockKernel
+from ..kernels.base import Into
 from ..layouts import Block
 from ..merge import accumulate_, init_, merge_
 
@@ -13,17 +14,24 @@ def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, 
     (init_ if fresh else merge_)(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
 
 
-def block_grads(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, scale: float):
-    """(dq, dk, dv) of ``block``: its share of the full attention's gradients, in the input dtype."""
+def block_backward(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, scale: float,
+                   dq: "RowSums", dk: "RowSums | None" = None, dv: "RowSums | None" = None):
+    """The gradients of ``block``, its share of the full attention's: dq goes into ``dq``'s rows,
+    dk and dv into ``dk``'s and ``dv``'s when given; else they are returned (for the caller to add
+    later) as (dk, dv)."""
     rows, cols = block.q, block.k
-    return kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
-                           out[:, :, rows], lse[:, :, rows], block.mask, scale)
+    into = (dq.claim(rows), *((dk.claim(cols), dv.claim(cols)) if dk is not None else (None,) * 2))
+    _, dk_block, dv_block = kernel.backward_into(
+        into, dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
+        lse[:, :, rows], block.mask, scale)
+    return None if dk is not None else (dk_block, dv_block)
 
 
 class RowSums:
     """An fp32 sum of blocks' results over row slices of a [B, H, S, D] tensor, with no zero-fill:
-    the first result to reach a row is copied (cast) in, later ones are added; rows no result
-    reached are zeroed by ``result()``. Rows are ``slice(start, stop)``s along dim 2.
+    the first result to reach a row is written there (``claim`` says where and how), later ones
+    are added; rows no result reached are zeroed by ``result()``. Rows are
+    ``slice(start, stop)``s along dim 2.
 
     ``value``: the fp32 tensor to sum into, uninitialised (``fp32_empty``) or, with
     ``written=True``, holding values in every row already (e.g. a received accumulator)."""
@@ -51,27 +59,27 @@ class RowSums:
             else:
                 self._written.append((a, b))
 
-    def add_(self, rows: slice, x: torch.Tensor) -> None:
+    def claim(self, rows: slice) -> Into:
+        """Where a result for ``rows`` goes: their view, to be added to (``add=True``) where any
+        of them holds a value, else overwritten. Rows no result reached yet are zeroed first when
+        others in the span were."""
         start, stop, _ = rows.indices(self.value.shape[2])
         gaps = self._gaps(start, stop)
         fresh = gaps == [(start, stop)]
         if not fresh:
             for a, b in gaps:
                 self.value[:, :, a:b].zero_()
-        accumulate_(self.value[:, :, start:stop], x, add=not fresh)
         self._mark(start, stop)
+        return Into(self.value[:, :, start:stop], add=not fresh)
+
+    def add_(self, rows: slice, x: torch.Tensor) -> None:
+        target = self.claim(rows)
+        accumulate_(target.view, x, target.add)
 
     def result(self) -> torch.Tensor:
         for a, b in self._gaps(0, self.value.shape[2]):
             self.value[:, :, a:b].zero_()
         return self.value
-
-
-def add_grads_(block: Block, grads, dq: RowSums, dk: RowSums, dv: RowSums):
-    """Add a block's gradients into the fp32 accumulators."""
-    dq.add_(block.q, grads[0])
-    dk.add_(block.k, grads[1])
-    dv.add_(block.k, grads[2])
 
 
 def result_out(out: torch.Tensor, q: torch.Tensor, kernel: BlockKernel) -> torch.Tensor:

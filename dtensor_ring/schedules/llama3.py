@@ -24,7 +24,7 @@ import torch
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block
-from .base import RowSums, add_grads_, attend_, block_grads, fp32_empty, result_out
+from .base import RowSums, attend_, block_backward, fp32_empty, result_out
 
 
 def head_groups(kv_heads: int, world_size: int) -> list[slice]:
@@ -121,6 +121,7 @@ class Llama3:
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
         world = comm.world_size
+        dout = dout.to(q.dtype)  # exact mode's is fp32 holding 16-bit values: one cast, lossless
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
         dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
         blocks = _blocks(comm.rank, world, q.shape[2], is_causal, kernel)
@@ -134,9 +135,8 @@ class Llama3:
             dkv_all = fp32_empty(q, (2, *k_all.shape))
             sums = [RowSums(dq[:, q_heads]), RowSums(dkv_all[0]), RowSums(dkv_all[1])]
             for block, _ in blocks:
-                grads = block_grads(kernel, dout[:, q_heads], q[:, q_heads], k_all, v_all,
-                                    out[:, q_heads], lse[:, q_heads], block, scale)
-                add_grads_(block, grads, *sums)
+                block_backward(kernel, dout[:, q_heads], q[:, q_heads], k_all, v_all,
+                               out[:, q_heads], lse[:, q_heads], block, scale, *sums)
             for row_sums in sums:
                 row_sums.result()  # rows no block reached (keys no local query sees): zero
             if pending_grad is not None:

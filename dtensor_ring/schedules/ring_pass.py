@@ -32,7 +32,7 @@ import torch
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, NONE
 from ..layouts import Block, Layout
-from .base import RowSums, add_grads_, attend_, block_grads, fp32_empty, result_out
+from .base import RowSums, attend_, block_backward, fp32_empty, result_out
 
 
 def split_own(block: Block) -> tuple[list[Block], list[Block]]:
@@ -76,32 +76,36 @@ class RingPass:
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
         world, local_len = comm.world_size, q.shape[2]
+        dout = dout.to(q.dtype)  # exact mode's is fp32 holding 16-bit values: one cast, lossless
         dq = RowSums(fp32_empty(q))
         dk_own, dv_own = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
 
-        def grads(blocks, kv):
-            return [block_grads(kernel, dout, q, *kv, out, lse, block, scale) for block in blocks]
+        def own(blocks):  # the rank's own K/V: their gradients stay here
+            for block in blocks:
+                block_backward(kernel, dout, q, k, v, out, lse, block, scale, dq, dk_own, dv_own)
 
         early, late = split_own(self._blocks(comm, 0, local_len, is_causal)[0])
         pending_kv = comm.send_recv_next([k, v]) if world > 1 else None
-        for block, block_grad in zip(early, grads(early, [k, v])):
-            add_grads_(block, block_grad, dq, dk_own, dv_own)
+        own(early)
         pending_dkv = None
         for step in range(1, world):
             kv = pending_kv.wait()
             pending_kv = comm.send_recv_next(kv) if step < world - 1 else None
             blocks = self._blocks(comm, step, local_len, is_causal)
-            step_grads = grads(blocks, kv)
-            # Wait for the travelling accumulator only now, so its transfer overlapped the compute.
-            if pending_dkv is None:
+            if pending_dkv is None:  # step 1 starts the travelling accumulator: kernels write it
                 dk, dv = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
+                for block in blocks:
+                    block_backward(kernel, dout, q, *kv, out, lse, block, scale, dq, dk, dv)
             else:
+                step_dkv = [block_backward(kernel, dout, q, *kv, out, lse, block, scale, dq)
+                            for block in blocks]
+                # Wait for the accumulator only now, so its transfer overlapped the compute.
                 dk, dv = (RowSums(t, written=True) for t in pending_dkv.wait())
-            for block, block_grad in zip(blocks, step_grads):
-                add_grads_(block, block_grad, dq, dk, dv)
+                for block, (dk_block, dv_block) in zip(blocks, step_dkv):
+                    dk.add_(block.k, dk_block)
+                    dv.add_(block.k, dv_block)
             pending_dkv = comm.send_recv_next([dk.result(), dv.result()])
-        for block, block_grad in zip(late, grads(late, [k, v])):
-            add_grads_(block, block_grad, dq, dk_own, dv_own)
+        own(late)
         dk, dv = dk_own.result(), dv_own.result()
         if pending_dkv is not None:  # this rank's accumulator, home after W-1 hops
             dk_home, dv_home = pending_dkv.wait()
