@@ -1,8 +1,11 @@
 """The ways of putting all-gathered zigzag shards in natural order (and back) that were timed for
 llama3 (this folder's README); "(now)" is the package's to_natural / to_rank_major, which at the time
 of the run (commit c68386d's tree) were the cat + flip + reshape versions. Each variant is checked
-equal to it first."""
-import statistics, sys, torch
+equal to it first. Run on one CUDA GPU with the package importable: ``python perm_bench.py``."""
+import statistics
+
+import torch
+
 from dtensor_ring.schedules.llama3 import to_natural, to_rank_major
 
 WIDE = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
