@@ -43,6 +43,17 @@ def _tile(heads, seq, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def merge_rows(out, lse, block_out, block_lse):
+    """(out, lse) merged with (block_out, block_lse): fp32 [M, D] tiles and [M] rows, the formulas
+    above. Also used by the exact forward kernel, which merges its block in its own epilogue."""
+    diff = lse - block_lse
+    small = tl.exp(-tl.abs(diff))  # in (0, 1]: no overflow whichever side dominates
+    weight = tl.where(diff > 0, small, 1.0) / (1.0 + small)  # sigmoid(block_lse - lse)
+    merged = out - weight[:, None] * (out - block_out)
+    return merged, tl.maximum(lse, block_lse) + tl.log(1.0 + small)
+
+
+@triton.jit
 def _merge(Out, Lse, BlockOut, BlockLse,
            sob, soh, som, sod, slb, slh, slm, sbb, sbh, sbm, sbd, sxb, sxh, sxm,
            heads, seq, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -50,16 +61,14 @@ def _merge(Out, Lse, BlockOut, BlockLse,
     lse_ptrs = Lse + b * slb + h * slh + rows * slm
     lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
     block_lse = tl.load(BlockLse + b * sxb + h * sxh + rows * sxm, mask=row_ok, other=0.0)
-    diff = lse - block_lse
-    small = tl.exp(-tl.abs(diff))  # in (0, 1]: no overflow whichever side dominates
-    weight = tl.where(diff > 0, small, 1.0) / (1.0 + small)  # sigmoid(block_lse - lse)
     out_ptrs = Out + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod
     out = tl.load(out_ptrs, mask=tile_ok, other=0.0)
     block_out = tl.load(BlockOut + b * sbb + h * sbh + rows[:, None] * sbm + dims[None, :] * sbd,
                         mask=tile_ok, other=0.0).to(tl.float32)
     tl.debug_barrier()  # in place: no thread stores before every thread has loaded (see above)
-    tl.store(out_ptrs, out - weight[:, None] * (out - block_out), mask=tile_ok)
-    tl.store(lse_ptrs, tl.maximum(lse, block_lse) + tl.log(1.0 + small), mask=row_ok)
+    out, lse = merge_rows(out, lse, block_out, block_lse)
+    tl.store(out_ptrs, out, mask=tile_ok)
+    tl.store(lse_ptrs, lse, mask=row_ok)
 
 
 @triton.jit

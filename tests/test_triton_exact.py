@@ -109,6 +109,37 @@ def test_tiles_override_errors():
 
 
 @pytest.mark.parametrize("name", ["triton_exact", "math_exact"])
+@pytest.mark.parametrize("fresh", [True, False])
+def test_forward_into_writes_or_merges_into_accumulator_views(name, fresh):
+    """``forward_into`` writes ``forward``'s fp32 out and LSE into row views of a larger running
+    (out, lse) when ``fresh``, else merges them into what the rows hold: equal, within fp32
+    rounding, to the float64 softmax-weighted merge; no row outside the view touched."""
+    kernel = EXACT_BACKENDS[name]
+    sq, sk, head_dim, scale = 19 * SIZE, 40 * SIZE, 64 if DEVICE.type == "cuda" else 16, 0.3
+    q, k, v, _ = _inputs(sq, sk, head_dim, torch.bfloat16, seed=4)
+    block_out, block_lse = kernel.forward(q, k, v, CAUSAL_BOTTOM_RIGHT, scale)
+    gen = torch.Generator().manual_seed(6)
+    out = torch.randn(1, q.shape[1], sq + 9, head_dim, generator=gen).to(DEVICE)
+    lse = (torch.randn(1, q.shape[1], sq + 9, generator=gen) + block_lse.mean().item()).to(DEVICE)
+    old_out, old_lse, rows = out.clone(), lse.clone(), slice(4, 4 + sq)
+    kernel.forward_into(out[:, :, rows], lse[:, :, rows], fresh, q, k, v, CAUSAL_BOTTOM_RIGHT,
+                        scale)
+    if fresh:
+        assert torch.equal(out[:, :, rows], block_out) and torch.equal(lse[:, :, rows], block_lse)
+    else:
+        a, b = old_lse[:, :, rows].double(), block_lse.double()
+        want_lse = torch.logaddexp(a, b)
+        want = ((a - want_lse).exp()[..., None] * old_out[:, :, rows].double()
+                + (b - want_lse).exp()[..., None] * block_out.double())
+        assert (out[:, :, rows].double() - want).abs().max() <= 1e-5 * want.abs().max()
+        assert (lse[:, :, rows].double() - want_lse).abs().max() <= 1e-5 * want_lse.abs().max()
+        assert (block_out.double() - want).abs().max() > 1e-2  # a write instead of a merge fails
+    for new, old in ((out, old_out), (lse, old_lse)):
+        assert torch.equal(new[:, :, :rows.start], old[:, :, :rows.start])
+        assert torch.equal(new[:, :, rows.stop:], old[:, :, rows.stop:])
+
+
+@pytest.mark.parametrize("name", ["triton_exact", "math_exact"])
 @pytest.mark.parametrize("add_q,add_kv", [(False, False), (True, True), (True, False)])
 def test_backward_into_writes_or_adds_into_accumulator_views(name, add_q, add_kv):
     """``backward_into`` puts exactly ``backward``'s fp32 gradients into row views of larger

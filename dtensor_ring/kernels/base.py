@@ -15,16 +15,17 @@ Exact kernels (``exact = True``, ``precision="exact"``) differ only in dtypes: `
 ``out`` in fp32 (unrounded), ``backward`` takes that fp32 merged ``out`` and returns fp32 dq, dk, dv,
 so the schedules' fp32 merge and sums see no 16-bit rounding until the final cast.
 
-``backward_into`` is ``backward`` with the gradients going straight into the schedules' fp32
-accumulators (``Into``: a view and whether to add to it or overwrite it). By default it runs
-``backward`` and then one accumulation pass per gradient; ``triton_exact`` writes (or adds) in its
-own kernels, which saves those passes.
+``forward_into`` and ``backward_into`` put the results straight into the schedules' fp32
+accumulators: the forward's (out, lse) written or merged into the running ones, the gradients
+written or added (``Into``: a view and whether to add). By default they run ``forward`` /
+``backward`` and then one merge or accumulation pass; ``triton_exact`` does it in its own kernels,
+which saves those passes.
 """
 from typing import NamedTuple, Optional
 
 import torch
 
-from ..merge import accumulate_
+from ..merge import accumulate_, init_, merge_
 
 NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT = "none", "causal", "causal_bottom_right"
 MASKS = (NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT)
@@ -41,6 +42,12 @@ class BlockKernel:
 
     def forward(self, q, k, v, mask: str, scale: float):
         raise NotImplementedError
+
+    def forward_into(self, out, lse, fresh: bool, q, k, v, mask: str, scale: float) -> None:
+        """``forward`` into the fp32 accumulator ``out``/``lse`` (views of its rows): written
+        where ``fresh`` (the rows hold nothing yet), else merged into what they hold."""
+        block_out, block_lse = self.forward(q, k, v, mask, scale)
+        (init_ if fresh else merge_)(out, lse, block_out, block_lse)
 
     def backward(self, dout, q, k, v, out, lse, mask: str, scale: float):
         raise NotImplementedError

@@ -2,7 +2,8 @@
 fp32 results, so nothing the ring merges or sums is rounded to 16 bits.
 
     _forward   grid (q tiles, B * Hq):  online softmax over k tiles in fp32 (running max, denominator,
-               unnormalised accumulator); writes out = acc / l in fp32 and the LSE (natural log).
+               unnormalised accumulator); writes out = acc / l in fp32 and the LSE (natural log),
+               or merges them into the schedule's running (out, lse) in place.
     _dkdv      grid (k tiles, B * Hkv): for one k tile, loops over the q heads of its GQA group and
                over q tiles; writes dk, dv in fp32. K/V are read through the kv head index (no copy).
     _dq        grid (q tiles, B * Hq):  for one q tile, loops over k tiles; writes dq in fp32, and
@@ -29,6 +30,8 @@ as the tensor-core path up to summation order.
 """
 import triton
 import triton.language as tl
+
+from ..triton_merge import merge_rows
 
 LOG2E = 1.4426950408889634  # host side: the wrapper passes scale * LOG2E
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may read only constexpr globals
@@ -140,8 +143,11 @@ def _forward(Q, K, V, Out, Lse,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod, slb, slh, slm,
              q_heads, groups, seq_q, seq_k, offset, scale_log2,
-             CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+             CAUSAL: tl.constexpr, MERGE: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             UPCAST: tl.constexpr):
+    """out and LSE of one q tile, written into the fp32 Out / Lse, or with MERGE merged into the
+    (out, lse) those rows hold (the schedules' running accumulator)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
@@ -166,9 +172,15 @@ def _forward(Q, K, V, Out, Lse,
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
-    _store(Out + b * sob + h * soh, rows, som, seq_q, dims, sod, out, False, HEAD_DIM,
-           BLOCK_D)
-    tl.store(Lse + b * slb + h * slh + rows * slm, lse, mask=rows < seq_q)
+    out_base = Out + b * sob + h * soh
+    lse_ptrs = Lse + b * slb + h * slh + rows * slm
+    if MERGE:
+        held = _load(out_base, rows, som, seq_q, dims, sod, True, HEAD_DIM, BLOCK_D)
+        held_lse = tl.load(lse_ptrs, mask=rows < seq_q, other=0.0)
+        tl.debug_barrier()  # in place: every thread has loaded before any stores (triton_merge.py)
+        out, lse = merge_rows(held, held_lse, out, lse)
+    _store(out_base, rows, som, seq_q, dims, sod, out, False, HEAD_DIM, BLOCK_D)
+    tl.store(lse_ptrs, lse, mask=rows < seq_q)
 
 
 @triton.jit

@@ -2,9 +2,9 @@
 
 Reads bf16/fp16 q, k, v (any strides: the schedules' sliced views are not copied; GQA through the
 kv head index, never repeated); returns fp32 out and LSE, and fp32 dq, dk, dv, or with
-``backward_into`` stores (adds) them straight into the schedules' fp32 accumulators. The backward
-takes the fp32 merged ``out`` for D = rowsum(dO * O). Head dims up to 128 (non powers of two, e.g. 80,
-run in the next power-of-two tile, masked). Triton is optional: ``available`` is False without it.
+``forward_into`` / ``backward_into`` writes (merges, adds) them straight into the schedules' fp32
+accumulators. The backward takes the fp32 merged ``out`` for D = rowsum(dO * O). Head dims up to
+128 (non powers of two, e.g. 80, run in the next power-of-two tile, masked). Triton is optional: ``available`` is False without it.
 Under ``TRITON_INTERPRET=1`` the kernel also runs on CPU tensors (the tests use that).
 """
 import contextlib
@@ -90,6 +90,13 @@ class TritonExact(BlockKernel):
 
     def forward(self, q, k, v, mask, scale, tiles=None):
         """``tiles``: {"forward": Tiles} to override the tuned launch shape (the tuning bench)."""
+        out = q.new_empty(q.shape, dtype=torch.float32)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        self.forward_into(out, lse, True, q, k, v, mask, scale, tiles)
+        return out, lse
+
+    def forward_into(self, out, lse, fresh, q, k, v, mask, scale, tiles=None):
+        """The kernel writes ``out``/``lse`` (any strides) or merges into them; see BlockKernel."""
         from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
 
         if mask not in MASKS:
@@ -98,16 +105,13 @@ class TritonExact(BlockKernel):
         seq_k = k.shape[2]
         offset = _offset(mask, seq_q, seq_k)
         shape = _tiles(tiles)["forward"]
-        out = q.new_empty(q.shape, dtype=torch.float32)
-        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         grid = (math.ceil(seq_q / shape.block_m), batch * q_heads)
         with _launching():
             ta._forward[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(),
                               *out.stride(), *lse.stride(), q_heads, q_heads // k.shape[1],
-                              seq_q, seq_k, offset, scale * ta.LOG2E,
+                              seq_q, seq_k, offset, scale * ta.LOG2E, MERGE=not fresh,
                               BLOCK_M=shape.block_m, BLOCK_N=shape.block_n,
                               **_constants(q, mask), **_launch(shape))
-        return out, lse
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, tiles=None):
         """``tiles``: {"dkdv": Tiles, "dq": Tiles} to override the tuned launch shapes."""

@@ -4,14 +4,13 @@ import torch
 from ..kernels import BlockKernel
 from ..kernels.base import Into
 from ..layouts import Block
-from ..merge import accumulate_, init_, merge_
+from ..merge import accumulate_
 
 
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):
     """Attention of ``block`` merged into ``out``/``lse`` (fp32); ``fresh``: its rows are untouched."""
-    block_out, block_lse = kernel.forward(q[:, :, block.q], k[:, :, block.k], v[:, :, block.k],
-                                          block.mask, scale)
-    (init_ if fresh else merge_)(out[:, :, block.q], lse[:, :, block.q], block_out, block_lse)
+    kernel.forward_into(out[:, :, block.q], lse[:, :, block.q], fresh, q[:, :, block.q],
+                        k[:, :, block.k], v[:, :, block.k], block.mask, scale)
 
 
 def block_backward(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, scale: float,
