@@ -23,6 +23,8 @@ The last hop carries fp32 (twice the bytes of 16-bit K/V), so the late part is t
 (h = S_local // 2; \ causal, # full):
 
     causal        early  q[:h] x k[:h] \          late  q[h:] x k[:h] #,  q[h:] x k[h:] \
+                                                (one block q[h:] x k, bottom-right causal, with a
+                                                kernel that has that mask)
     non-causal    early  q x k[:h]     #          late  q x k[h:]     #
 
 At home the arriving accumulator is added to the own part and rounded once to the input dtype.
@@ -30,18 +32,21 @@ At home the arriving accumulator is added to the own part and rounded once to th
 import torch
 
 from ..comm import Communicator
-from ..kernels.base import CAUSAL, NONE
+from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import Block, Layout
 from .base import RowSums, attend_, block_backward, fp32_empty, result_out
 
 
-def split_own(block: Block) -> tuple[list[Block], list[Block]]:
-    """The own (diagonal) block as (early, late) blocks; see the table above."""
+def split_own(block: Block, masks) -> tuple[list[Block], list[Block]]:
+    """The own (diagonal) block as (early, late) blocks, for a kernel offering ``masks``; see the
+    table above."""
     length = block.q.stop
     half = length // 2
     if half == 0:
         return [block], []
     first, second = slice(0, half), slice(half, length)
+    if block.mask == CAUSAL and CAUSAL_BOTTOM_RIGHT in masks:
+        return [Block(first, first, CAUSAL)], [Block(second, block.k, CAUSAL_BOTTOM_RIGHT)]
     if block.mask == CAUSAL:
         return ([Block(first, first, CAUSAL)],
                 [Block(second, first, NONE), Block(second, second, CAUSAL)])
@@ -84,7 +89,7 @@ class RingPass:
             for block in blocks:
                 block_backward(kernel, dout, q, k, v, out, lse, block, scale, dq, dk_own, dv_own)
 
-        early, late = split_own(self._blocks(comm, 0, local_len, is_causal)[0])
+        early, late = split_own(self._blocks(comm, 0, local_len, is_causal)[0], kernel.masks)
         pending_kv = comm.send_recv_next([k, v]) if world > 1 else None
         own(early)
         pending_dkv = None
