@@ -60,7 +60,7 @@ class BlockKernel:
         for target, grad in zip(into, grads):
             if target is not None:
                 accumulate_(target.view, grad, target.add)
-        return tuple(None if target is not None else grad for target, grad in zip(into, grads))
+        return unclaimed(into, grads)
 
 
 class Into(NamedTuple):
@@ -68,6 +68,11 @@ class Into(NamedTuple):
     gradient to what the view holds (``add=True``) or overwrite it."""
     view: torch.Tensor
     add: bool
+
+
+def unclaimed(into, grads) -> tuple:
+    """``backward_into``'s result: each gradient that had no ``Into``, None for the others."""
+    return tuple(None if target is not None else grad for target, grad in zip(into, grads))
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -295,9 +295,9 @@ def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
         CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """dq of one q tile, written (or with ADD added) into the fp32 DQ (strides sg*); its k tiles
-    as in the forward. It runs
-    before ``_dkdv`` and writes that kernel's D = rowsum(dO * O) of its rows into ``Delta``, from
-    the fp32 merged ``Out`` (strides so*): one read of O, no separate passes."""
+    as in the forward. It runs before ``_dkdv`` and writes that kernel's D = rowsum(dO * O) of its
+    rows into ``Delta``, from the fp32 merged ``Out`` (strides so*): one read of O, no separate
+    passes."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads

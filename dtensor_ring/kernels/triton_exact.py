@@ -4,8 +4,9 @@ Reads bf16/fp16 q, k, v (any strides: the schedules' sliced views are not copied
 kv head index, never repeated); returns fp32 out and LSE, and fp32 dq, dk, dv, or with
 ``forward_into`` / ``backward_into`` writes (merges, adds) them straight into the schedules' fp32
 accumulators. The backward takes the fp32 merged ``out`` for D = rowsum(dO * O). Head dims up to
-128 (non powers of two, e.g. 80, run in the next power-of-two tile, masked). Triton is optional: ``available`` is False without it.
-Under ``TRITON_INTERPRET=1`` the kernel also runs on CPU tensors (the tests use that).
+128 (non powers of two, e.g. 80, run in the next power-of-two tile, masked). Triton is optional:
+``available`` is False without it. Under ``TRITON_INTERPRET=1`` the kernel also runs on CPU
+tensors (the tests use that).
 """
 import contextlib
 import importlib.util
@@ -16,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from .base import CAUSAL, CAUSAL_BOTTOM_RIGHT, MASKS, NONE, BlockKernel
+from .base import CAUSAL, CAUSAL_BOTTOM_RIGHT, MASKS, NONE, BlockKernel, unclaimed
 
 _HALF = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 128
@@ -150,8 +151,7 @@ class TritonExact(BlockKernel):
                 kv_heads, *sizes, ADD=bool(dk_into and dk_into.add),
                 BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **constants,
                 **_launch(shape_dkdv))
-        return tuple(None if target is not None else grad
-                     for target, grad in zip(into, (dq, dk, dv)))
+        return unclaimed(into, (dq, dk, dv))
 
 
 def _constants(q, mask) -> dict:

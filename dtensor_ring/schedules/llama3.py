@@ -47,8 +47,7 @@ def _as_words(x: torch.Tensor) -> torch.Tensor:
     """
     row = x.shape[-1] * x.element_size()
     offset = x.storage_offset() * x.element_size()
-    size, dtype = next((s, d) for s, d in _WORDS if row % s == 0 and offset % s == 0)
-    return x.view(dtype)
+    return x.view(next(dtype for size, dtype in _WORDS if row % size == 0 and offset % size == 0))
 
 
 def to_natural(gathered: torch.Tensor) -> torch.Tensor:
