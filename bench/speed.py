@@ -99,7 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--plot", help="PNG: fraction of the ideal vs tokens per GPU")
     p.add_argument("--plot-only", metavar="JSON", help="only plot an earlier run's JSON")
     p.add_argument("--profile", metavar="FILE", help="profile --profile-methods' fwd+bwd first")
-    p.add_argument("--profile-methods", default="zigzag_fp32",
+    p.add_argument("--profile-methods", type=profile_methods, default="zigzag_fp32",
                    help="comma-separated <schedule>_<precision> names to profile")
     p.add_argument("--profile-tokens", type=int, default=8192)
     p.add_argument("--profile-kv-heads", type=int, help="kv heads to profile (default: --heads)")
@@ -548,13 +548,19 @@ def print_table(info, rows):
 # Profile
 
 
+def profile_methods(text):
+    """``--profile-methods``: comma-separated ``<schedule>_<precision>`` names, checked before any
+    rank starts, -> [(schedule, precision)]."""
+    valid = {f"{s}_{p}": (s, p) for s in SCHEDULES for p in PRECISIONS}
+    for name in text.split(","):
+        if name not in valid:
+            raise argparse.ArgumentTypeError(f"has {name!r}; valid: {list(valid)}")
+    return [valid[name] for name in text.split(",")]
+
+
 def profile(args, mesh, device, path):
     """torch.profiler over each --profile-methods' fwd+bwd: top kernels, where GPU time goes."""
-    for name in [m for m in args.profile_methods.split(",") if m]:
-        schedule, _, precision = name.rpartition("_")
-        if schedule not in dr.SCHEDULE_LAYOUT or precision not in PRECISIONS:
-            raise ValueError(f"--profile-methods has {name!r}; valid: "
-                             f"{[f'{s}_{p}' for s in SCHEDULES for p in PRECISIONS]}")
+    for schedule, precision in args.profile_methods:
         profile_one(args, mesh, device, path, schedule, precision)
 
 

@@ -1,0 +1,24 @@
+"""bench/speed.py's argument checks: a bad --profile-methods name stops the run before any rank
+starts, naming the argument, the value and the valid names."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import speed  # noqa: E402
+
+
+def test_profile_methods_parsed_into_schedule_and_precision():
+    args = speed.parse_args(["--profile-methods", "zigzag_exact,llama3_fp32"])
+    assert args.profile_methods == [("zigzag", "exact"), ("llama3", "fp32")]
+    assert speed.parse_args([]).profile_methods == [("zigzag", "fp32")]
+
+
+@pytest.mark.parametrize("value", ["auto_fp32", "zigzag_bf16", "zigzag_fp32,"])
+def test_bad_profile_method_is_a_clear_error(value, capsys):
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--profile-methods", value])
+    err = capsys.readouterr().err
+    assert f"argument --profile-methods: has {value.split(',')[-1]!r}; valid: [" in err
+    assert "'ring_fp32', 'ring_exact', 'zigzag_fp32'" in err
