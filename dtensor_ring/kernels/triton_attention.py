@@ -76,20 +76,6 @@ def _load(base, idx, stride, n, dims, stride_d, CHECK: tl.constexpr, HEAD_DIM: t
 
 
 @triton.jit
-def _rows(src, b, h, start, sb, sh, sn, sd, n, CHECK: tl.constexpr, TMA: tl.constexpr,
-          ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows [start, start + ROWS) of head (b, h) of a [B, H, n, HEAD_DIM] input as a
-    [ROWS, BLOCK_D] tile: by the TMA unit from a tensor descriptor (which reads rows past n and
-    columns past HEAD_DIM as 0 by itself), or by pointers with ``_load``."""
-    if TMA:
-        tile = src.load([b, h, start, 0]).reshape(ROWS, BLOCK_D)
-    else:
-        tile = _load(src + b * sb + h * sh, start + tl.arange(0, ROWS), sn, n,
-                     tl.arange(0, BLOCK_D), sd, CHECK, HEAD_DIM, BLOCK_D)
-    return tile
-
-
-@triton.jit
 def _store(base, idx, stride, n, dims, stride_d, value, ADD: tl.constexpr, HEAD_DIM: tl.constexpr,
            BLOCK_D: tl.constexpr):
     """``value`` into rows ``idx`` of a [n, HEAD_DIM] matrix; with ADD, added to what they hold.
@@ -128,14 +114,13 @@ def _q_tile_bounds(m0, seq_k, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _forward_tiles(acc, l_i, m_i, q, K, V, b, hk, skb, skh, skn, skd, svb, svh, svn, svd, rows,
-                   lo, hi, seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr,
-                   CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows, dims, lo, hi,
+                   seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   UPCAST: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _rows(K, b, hk, start, skb, skh, skn, skd, seq_k, MASKED, TMA, BLOCK_N, HEAD_DIM,
-                  BLOCK_D)
+        k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
         s = _dot(q, tl.trans(k), UPCAST)  # unscaled; the running max m_i is in log2 units
         if MASKED:
             seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
@@ -147,8 +132,7 @@ def _forward_tiles(acc, l_i, m_i, q, K, V, b, hk, skb, skh, skn, skd, svb, svh, 
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s * scale_log2 - m_use[:, None])  # one fused multiply-add per score
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _rows(V, b, hk, start, svb, svh, svn, svd, seq_k, MASKED, TMA, BLOCK_N, HEAD_DIM,
-                  BLOCK_D)
+        v = _load(v_base, cols, svn, seq_k, dims, svd, MASKED, HEAD_DIM, BLOCK_D)
         acc = _dot_add(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
         m_i = m_new
     return acc, l_i, m_i
@@ -161,12 +145,10 @@ def _forward(Q, K, V, Out, Lse,
              q_heads, groups, seq_q, seq_k, offset, scale_log2,
              CAUSAL: tl.constexpr, MERGE: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             UPCAST: tl.constexpr, TMA: tl.constexpr, REVERSE: tl.constexpr):
+             UPCAST: tl.constexpr):
     """out and LSE of one q tile, written into the fp32 Out / Lse, or with MERGE merged into the
     (out, lse) those rows hold (the schedules' running accumulator)."""
     pid_m = tl.program_id(0)
-    if REVERSE:
-        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // q_heads
     h = bh % q_heads
@@ -174,17 +156,19 @@ def _forward(Q, K, V, Out, Lse,
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q = _rows(Q, b, h, m0, sqb, sqh, sqm, sqd, seq_q, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+    q = _load(Q + b * sqb + h * sqh, rows, sqm, seq_q, dims, sqd, True, HEAD_DIM, BLOCK_D)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, K, V, b, hk, skb, skh, skn, skd, svb, svh,
-                                   svn, svd, rows, 0, full_end, seq_q, seq_k, offset, scale_log2,
-                                   False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA)
-    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, K, V, b, hk, skb, skh, skn, skd, svb, svh,
-                                   svn, svd, rows, full_end, end, seq_q, seq_k, offset, scale_log2,
-                                   True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, TMA)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows,
+                                   dims, 0, full_end, seq_q, seq_k, offset, scale_log2, False,
+                                   CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows,
+                                   dims, full_end, end, seq_q, seq_k, offset, scale_log2, True,
+                                   CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
@@ -200,17 +184,14 @@ def _forward(Q, K, V, Out, Lse,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, b, h, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd, lse_base,
-                delta_base, slm, cols, lo, hi, seq_q, seq_k, offset, scale_log2,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                TMA: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, slm,
+                cols, dims, lo, hi, seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr,
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
-        q = _rows(Q, b, h, start, sqb, sqh, sqm, sqd, seq_q, MASKED, TMA, BLOCK_M, HEAD_DIM,
-                  BLOCK_D)
-        do = _rows(DO, b, h, start, sdb, sdh, sdm, sdd, seq_q, MASKED, TMA, BLOCK_M, HEAD_DIM,
-                   BLOCK_D)
+        q = _load(q_base, rows, sqm, seq_q, dims, sqd, MASKED, HEAD_DIM, BLOCK_D)
+        do = _load(do_base, rows, sdm, seq_q, dims, sdd, MASKED, HEAD_DIM, BLOCK_D)
         if MASKED:
             lse = tl.load(lse_base + rows * slm, mask=rows < seq_q, other=0.0)
             delta = tl.load(delta_base + rows * slm, mask=rows < seq_q, other=0.0)
@@ -234,8 +215,7 @@ def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
           sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgn, sgd, sub, suh, sun, sud,
           kv_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
           CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-          TMA: tl.constexpr):
+          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """dk, dv of one k tile, written (or with ADD added) into the fp32 DK (strides sg*) and DV
     (su*); ``Lse`` and ``Delta`` (fp32, [B, Hq, Sq]) share the strides sl*.
 
@@ -255,8 +235,8 @@ def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    k = _rows(K, b, hk, n0, skb, skh, skn, skd, seq_k, True, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
-    v = _rows(V, b, hk, n0, svb, svh, svn, svd, seq_k, True, TMA, BLOCK_N, HEAD_DIM, BLOCK_D)
+    k = _load(K + b * skb + hk * skh, cols, skn, seq_k, dims, skd, True, HEAD_DIM, BLOCK_D)
+    v = _load(V + b * svb + hk * svh, cols, svn, seq_k, dims, svd, True, HEAD_DIM, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first = 0
@@ -271,36 +251,33 @@ def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
     full_end = tl.maximum(full_start, seq_q // BLOCK_M * BLOCK_M)
     for g in range(0, groups):
         h = hk * groups + g
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sdb + h * sdh
         lse_base = Lse + b * slb + h * slh
         delta_base = Delta + b * slb + h * slh
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, b, h, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd,
-                             lse_base, delta_base, slm, cols, first, full_start, seq_q, seq_k,
-                             offset, scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D,
-                             UPCAST, TMA)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, b, h, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd,
-                             lse_base, delta_base, slm, cols, full_start, full_end, seq_q, seq_k,
-                             offset, scale_log2, False, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D,
-                             UPCAST, TMA)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, b, h, sqb, sqh, sqm, sqd, sdb, sdh, sdm, sdd,
-                             lse_base, delta_base, slm, cols, full_end, rows_end, seq_q, seq_k,
-                             offset, scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D,
-                             UPCAST, TMA)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
+                             sdd, slm, cols, dims, first, full_start, seq_q, seq_k, offset,
+                             scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
+                             sdd, slm, cols, dims, full_start, full_end, seq_q, seq_k, offset,
+                             scale_log2, False, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
+                             sdd, slm, cols, dims, full_end, rows_end, seq_q, seq_k, offset,
+                             scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
     _store(DK + b * sgb + hk * sgh, cols, sgn, seq_k, dims, sgd, dk * scale, ADD, HEAD_DIM,
            BLOCK_D)
     _store(DV + b * sub + hk * suh, cols, sun, seq_k, dims, sud, dv, ADD, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, K, V, b, hk, skb, skh, skn, skd, svb, svh, svn, svd, rows,
-              lo, hi, seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, lo, hi,
+              seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              UPCAST: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _rows(K, b, hk, start, skb, skh, skn, skd, seq_k, MASKED, TMA, BLOCK_N, HEAD_DIM,
-                  BLOCK_D)
-        v = _rows(V, b, hk, start, svb, svh, svn, svd, seq_k, MASKED, TMA, BLOCK_N, HEAD_DIM,
-                  BLOCK_D)
+        k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
+        v = _load(v_base, cols, svn, seq_k, dims, svd, MASKED, HEAD_DIM, BLOCK_D)
         p = tl.exp2(_dot(q, tl.trans(k), UPCAST) * scale_log2 - lse2[:, None])
         if MASKED:
             p = tl.where(_visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL), p,
@@ -316,15 +293,12 @@ def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
         sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgm, sgd, sob, soh, som, sod,
         q_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
         CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-        REVERSE: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """dq of one q tile, written (or with ADD added) into the fp32 DQ (strides sg*); its k tiles
     as in the forward. It runs before ``_dkdv`` and writes that kernel's D = rowsum(dO * O) of its
     rows into ``Delta``, from the fp32 merged ``Out`` (strides so*): one read of O, no separate
     passes."""
     pid_m = tl.program_id(0)
-    if REVERSE:
-        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // q_heads
     h = bh % q_heads
@@ -332,20 +306,22 @@ def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q = _rows(Q, b, h, m0, sqb, sqh, sqm, sqd, seq_q, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
-    do = _rows(DO, b, h, m0, sdb, sdh, sdm, sdd, seq_q, True, TMA, BLOCK_M, HEAD_DIM, BLOCK_D)
+    q = _load(Q + b * sqb + h * sqh, rows, sqm, seq_q, dims, sqd, True, HEAD_DIM, BLOCK_D)
+    do = _load(DO + b * sdb + h * sdh, rows, sdm, seq_q, dims, sdd, True, HEAD_DIM, BLOCK_D)
     lse = tl.load(Lse + b * slb + h * slh + rows * slm, mask=rows < seq_q, other=0.0)
     o = _load(Out + b * sob + h * soh, rows, som, seq_q, dims, sod, True, HEAD_DIM, BLOCK_D)
     delta = tl.sum(do.to(tl.float32) * o, 1)
     tl.store(Delta + b * slb + h * slh + rows * slm, delta, mask=rows < seq_q)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
     lse2 = lse * _LOG2E
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, hk, skb, skh, skn, skd, svb, svh, svn, svd,
-                   rows, 0, full_end, seq_q, seq_k, offset, scale_log2, False, CAUSAL, BLOCK_N,
-                   HEAD_DIM, BLOCK_D, UPCAST, TMA)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, hk, skb, skh, skn, skd, svb, svh, svn, svd,
-                   rows, full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL, BLOCK_N,
-                   HEAD_DIM, BLOCK_D, UPCAST, TMA)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, 0,
+                   full_end, seq_q, seq_k, offset, scale_log2, False, CAUSAL, BLOCK_N, HEAD_DIM,
+                   BLOCK_D, UPCAST)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims,
+                   full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL, BLOCK_N,
+                   HEAD_DIM, BLOCK_D, UPCAST)
     _store(DQ + b * sgb + h * sgh, rows, sgm, seq_q, dims, sgd, dq * scale, ADD, HEAD_DIM,
            BLOCK_D)

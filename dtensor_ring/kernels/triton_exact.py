@@ -63,21 +63,6 @@ def _tiles(overrides):
     return {**defaults, **(overrides or {})}
 
 
-# Experiment switches (bench/kernel_variants.py): inputs by TMA descriptors; causal q tiles
-# heaviest first.
-VARIANT = dict(tma=False, reverse=False)
-
-
-def _src(t, rows, block_d):
-    """``t`` as the kernels read it: itself, or a TMA descriptor of [1, 1, rows, block_d] boxes."""
-    if not VARIANT["tma"]:
-        return t
-    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415
-    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(x * t.element_size() % 16 for x in t.stride()[:-1]):
-        t = t.contiguous()
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
-
-
 def _launch(tiles: Tiles) -> dict:
     return {} if interpreting() else dict(num_warps=tiles.warps, num_stages=tiles.stages)
 
@@ -123,14 +108,11 @@ class TritonExact(BlockKernel):
         shape = _tiles(tiles)["forward"]
         grid = (math.ceil(seq_q / shape.block_m), batch * q_heads)
         with _launching():
-            bd = _constants(q, mask)["BLOCK_D"]
-            ta._forward[grid](_src(q, shape.block_m, bd), _src(k, shape.block_n, bd),
-                              _src(v, shape.block_n, bd), out, lse, *q.stride(), *k.stride(), *v.stride(),
+            ta._forward[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(),
                               *out.stride(), *lse.stride(), q_heads, q_heads // k.shape[1],
                               seq_q, seq_k, offset, scale * ta.LOG2E, MERGE=not fresh,
                               BLOCK_M=shape.block_m, BLOCK_N=shape.block_n,
-                              **_constants(q, mask), **_launch(shape), TMA=VARIANT["tma"],
-                              REVERSE=VARIANT["reverse"] and mask != NONE)
+                              **_constants(q, mask), **_launch(shape))
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, tiles=None):
         """``tiles``: {"dkdv": Tiles, "dq": Tiles} to override the tuned launch shapes."""
@@ -160,20 +142,15 @@ class TritonExact(BlockKernel):
         chosen, constants = _tiles(tiles), _constants(q, mask)
         shape_dkdv, shape_dq = chosen["dkdv"], chosen["dq"]
         with _launching():
-            bd = constants["BLOCK_D"]
             ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
-                _src(q, shape_dq.block_m, bd), _src(k, shape_dq.block_n, bd),
-                _src(v, shape_dq.block_n, bd), _src(dout, shape_dq.block_m, bd), lse, delta, dq, out, *strides, *dq.stride(), *out.stride(),
+                q, k, v, dout, lse, delta, dq, out, *strides, *dq.stride(), *out.stride(),
                 q_heads, *sizes, ADD=bool(dq_into and dq_into.add), BLOCK_M=shape_dq.block_m,
-                BLOCK_N=shape_dq.block_n, **constants, **_launch(shape_dq), TMA=VARIANT["tma"],
-                REVERSE=VARIANT["reverse"] and mask != NONE)
+                BLOCK_N=shape_dq.block_n, **constants, **_launch(shape_dq))
             ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
-                _src(q, shape_dkdv.block_m, bd), _src(k, shape_dkdv.block_n, bd),
-                _src(v, shape_dkdv.block_n, bd), _src(dout, shape_dkdv.block_m, bd), lse, delta,
-                dk, dv, *strides, *dk.stride(), *dv.stride(),
+                q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
                 kv_heads, *sizes, ADD=bool(dk_into and dk_into.add),
                 BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **constants,
-                **_launch(shape_dkdv), TMA=VARIANT["tma"])
+                **_launch(shape_dkdv))
         return unclaimed(into, (dq, dk, dv))
 
 
