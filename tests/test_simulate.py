@@ -87,17 +87,18 @@ class _OffByOneStripe(Stripe):
         return [Block(slice(0, local_len), slice(0, local_len), CAUSAL)]
 
 
-def test_an_off_by_one_causal_mask_fails_the_tolerance():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_off_by_one_causal_mask_fails_the_tolerance(dtype):
     q, k, v, dout = make_inputs(2, 4, 2, 64, 64)
     reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
-    single = attention_and_grads(sdpa(True), q, k, v, dout, torch.bfloat16)
+    single = attention_and_grads(sdpa(True), q, k, v, dout, dtype)
     wrong = RingPass("stripe", _OffByOneStripe())
     options = dict(is_causal=True, scale=64 ** -0.5, kernel=BACKENDS["cpu_flash"])
     got = attention_and_grads(
         lambda a, b, c: dr.attention._SimulatedRing.apply(a, b, c, 4, wrong, options),
-        q, k, v, dout, torch.bfloat16)
+        q, k, v, dout, dtype)
     with pytest.raises(AssertionError, match="error ratio"):
-        check_ratios(ratios(got, single, reference), torch.bfloat16)
+        check_ratios(ratios(got, single, reference), dtype)
     assert rel_rms(got[0], reference[0]) > 10 * rel_rms(single[0], reference[0])
 
 
