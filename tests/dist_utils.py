@@ -6,10 +6,15 @@ traceback; every rank asserts for itself. ``fn`` must be a module-level function
 
 ``mesh_shape=(2, 2), mesh_dim_names=("tp", "cp")`` builds an N-D mesh instead (the product must be
 W). A collective that one rank never joins fails after ``timeout_s`` rather than hanging.
+
+The ranks meet through a file of their own (a ``FileStore``), not a TCP port: a port picked as free
+can be taken by another test's ranks before ours bind it (seen with ``pytest -n 8``: a gloo
+"connectFullMesh failed ... Connection closed by peer"), a fresh file cannot.
 """
 import os
-import socket
+import shutil
 import sys
+import tempfile
 import traceback
 from datetime import timedelta
 
@@ -19,18 +24,11 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, fn, args, mesh_shape=None, mesh_dim_names=None,
+def _worker(rank, world_size, store_path, fn, args, mesh_shape=None, mesh_dim_names=None,
             timeout_s=300):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
         mesh = init_device_mesh("cpu", tuple(mesh_shape or (world_size,)),
                                 mesh_dim_names=mesh_dim_names)
@@ -44,6 +42,10 @@ def _worker(rank, world_size, port, fn, args, mesh_shape=None, mesh_dim_names=No
 
 def run_on_ranks(world_size: int, fn, *args, mesh_shape=None, mesh_dim_names=None,
                  timeout_s=300) -> None:
-    mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, mesh_shape,
-                                      mesh_dim_names, timeout_s),
-                       nprocs=world_size, start_method="spawn")
+    folder = tempfile.mkdtemp(prefix="dtensor_ring_store_")
+    try:
+        mp.start_processes(_worker, args=(world_size, os.path.join(folder, "store"), fn, args,
+                                          mesh_shape, mesh_dim_names, timeout_s),
+                           nprocs=world_size, start_method="spawn")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
