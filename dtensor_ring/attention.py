@@ -1,10 +1,22 @@
 """The public entry points: ``ring_attention`` on a real process group, and ``simulate_ring``, which
-runs the same schedule code for W simulated ranks in one process."""
+runs the same schedule code for W simulated ranks in one process.
+
+Eagerly, ``ring_attention`` calls the schedule from its own ``autograd.Function``; traced (by
+``torch.compile``, export, make_fx) it calls the custom ops of ``ops.py`` instead, which Dynamo and
+AOTAutograd see as one node each and the graph pass expands. Both run the same schedule code. The
+eager path skips the custom op's per-call dispatch (argument binding and its autograd wrapper:
+``bench/dispatch_latency.py``), and its backward receives the gradient of the 16-bit out directly:
+exact mode's fp32 out, kept for the backward, is not handed to autograd, so no fp32 gradient is
+made and cast back.
+"""
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import ops
+from .comm import ProcessGroupComm
 from .kernels import kernel_named, resolve_backend
 from .mesh import check_device, resolve_group
 from .schedules import get_schedule
@@ -36,9 +48,35 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     group = resolve_group(mesh)
     check_device(mesh, q, "query")
     sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
+    if not _traced(q):
+        return _Ring.apply(q, k, v, group, sched, options)
     out, _ = ops.ring_attention_fwd(q, k, v, group.group_name, schedule, is_causal,
                                     options["scale"], options["kernel"].name, precision)
     return out.to(q.dtype)  # exact kernels leave the merged out in fp32 (kept for the backward)
+
+
+def _traced(x: torch.Tensor) -> bool:
+    """Whether this call is being traced (Dynamo, export, make_fx, fake tensors): then the
+    custom op, which tracers see as one node, not the schedule's Python loop."""
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None or is_fake(x)
+
+
+class _Ring(torch.autograd.Function):
+    """Eager ``ring_attention`` (see the module docstring): the schedule on the process group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, schedule, options):
+        out, lse = schedule.forward(ProcessGroupComm(group), q, k, v, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.schedule, ctx.options = group, schedule, options
+        return out.to(q.dtype)  # exact kernels leave the merged out in fp32: saved, not returned
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.schedule.backward(ProcessGroupComm(ctx.group), dout.contiguous(), q, k,
+                                           v, out, lse, **ctx.options)
+        return dq, dk, dv, None, None, None
 
 
 def _shard_all(x, layout, world):

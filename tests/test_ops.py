@@ -32,3 +32,42 @@ def test_opcheck(group_name, schedule, is_causal):
     out, lse = ops.ring_attention_fwd(q, k, v, *options)
     torch.library.opcheck(ops.ring_attention_bwd, (torch.randn_like(out), q, k, v, out, lse,
                                                    *options))
+
+
+def _eager_and_op(group_name, precision, backend):
+    """ring_attention's eager path (its own autograd.Function) and the custom op's, fwd and bwd."""
+    group = dist.group.WORLD
+    results = []
+    for use_op in (False, True):
+        q, k, v = (x.bfloat16().detach().requires_grad_() for x in _inputs(False))
+        if use_op:
+            out, _ = ops.ring_attention_fwd(q, k, v, group_name, "zigzag", True, 0.25, backend,
+                                            precision)
+            out = out.to(q.dtype)
+        else:
+            out = dtensor_ring.ring_attention(q, k, v, mesh=group, schedule="zigzag",
+                                              is_causal=True, scale=0.25, precision=precision)
+            assert type(out.grad_fn).__name__ == "_RingBackward"
+        out.backward(torch.ones_like(out))
+        results.append([out, q.grad, k.grad, v.grad])
+    return results
+
+
+@pytest.mark.parametrize("precision,backend", [("fp32", "cpu_flash"), ("exact", "cpu_flash_exact")])
+def test_eager_ring_attention_gives_the_ops_bits(group_name, precision, backend):
+    """Eagerly ring_attention skips the op's dispatch; the results are the op's, bit for bit."""
+    eager, via_op = _eager_and_op(group_name, precision, backend)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), eager, via_op):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
+
+
+def test_traced_ring_attention_is_the_op(group_name):
+    """Traced (here make_fx on fake tensors) ring_attention is one op node, as the pass needs."""
+    from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
+
+    def attend(q, k, v):
+        return dtensor_ring.ring_attention(q, k, v, mesh=dist.group.WORLD, schedule="zigzag",
+                                           is_causal=True)
+    gm = make_fx(attend, tracing_mode="fake")(*_inputs(False))
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("dtensor_ring.ring_attention_fwd.default") == 1, targets
