@@ -21,12 +21,25 @@ the work), and the others (the diagonal band, the ragged ends past Sq or Sk), ma
                   unmasked  | masked band  |  unseen (causal)
 
 Head dims below the tile width (d = 80 runs in 128-wide tiles) mask the loads' columns.
-As in FlashAttention, the probabilities and dS are rounded to the input dtype for the tensor-core
-products (the single-device kernels do the same); all sums are fp32.
 
-``UPCAST``: under ``TRITON_INTERPRET=1`` bf16 ``tl.dot`` is wrong (Triton 3.9 interpreter), so both
-operands are cast to fp32 first. A bf16 x bf16 product is exact in fp32, so the result is the same
-as the tensor-core path up to summation order.
+fp16 products. FlashAttention and cuDNN round P and dS to bf16 for the tensor-core products; that
+rounding is most of their gradients' error. These kernels round them to fp16 (3 more mantissa
+bits) instead. fp16's 5-bit exponent needs scales, all powers of two (so every scaling is exact):
+* the products' other operands are fp16 copies made by ``_to_fp16`` (one launch per call): per
+  (batch, head), x * 2^e with e putting amax(|x|) in [2^14, 2^15). The forward copies V (S = QK^T stays bf16 x bf16); the
+  backward copies q, k, v, dO. The copies are exact except for values below 2^-24 of their head's
+  largest (fp16 subnormals).
+* P is scaled by 2^15 (P <= 1), so P >= 2^-29 keeps fp16's full precision.
+* dS = P (dP - D) is scaled from a bound: |dS| <= P (|dP| + |D|) <= 2 |dO|_1 max|V|. dq's rows use
+  their own |dO_i|_1; dK's rows use the bound d * max|dO| (they sum over every q row), which puts
+  typical dS of a row spread over n keys near 2^15 / (2^10 n): fp16 normal up to n ~ 2^20, and
+  still at least bf16's precision up to n ~ 2^23.
+The scales fold into multiplies the kernels do anyway (the softmax scale, the exp2's shift, the
+subtraction of D, the final scale), so the loops do no extra work per element.
+
+``UPCAST``: under ``TRITON_INTERPRET=1`` bf16 ``tl.dot`` is wrong (Triton 3.9 interpreter), so the
+operands of every product (bf16 or fp16) are cast to fp32 first. A product of two 16-bit numbers
+is exact in fp32, so the result is the same as the tensor-core path up to summation order.
 """
 import triton
 import triton.language as tl
@@ -36,6 +49,9 @@ from ..triton_merge import merge_rows
 LOG2E = 1.4426950408889634  # host side: the wrapper passes scale * LOG2E
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may read only constexpr globals
 _LOG2E = tl.constexpr(LOG2E)
+_P_SHIFT = tl.constexpr(15)  # P is rounded as P * 2^15 (P <= 1)
+# dK's dS bound: |dS| 2^(e_dO + e_V) <= 2 |dO_i|_1 2^15 <= 2 * 128 * 2^15 * 2^15 = 2^38 (d <= 128)
+_DK_DS_BOUND = tl.constexpr(38)
 
 
 @triton.jit
@@ -55,6 +71,66 @@ def _dot_add(a, b, acc, UPCAST: tl.constexpr):
     else:
         result = tl.dot(a, b, acc)
     return result
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as fp32, exactly, for integer e (int32) in [-252, 254]: two factors built from their
+    exponent bits, each in fp32's normal range."""
+    half = e // 2
+    return (((half + 127) << 23).to(tl.float32, bitcast=True)
+            * ((e - half + 127) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _exponent(x):
+    """The integer E with x < 2^E and x >= 2^(E-1) (x >= 0, fp32; 0 and subnormals give -126)."""
+    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
+
+
+@triton.jit
+def _fp16_exponent(amax_ptr):
+    """e such that amax * 2^e lies in [2^14, 2^15): the scale of ``_to_fp16``'s copy."""
+    amax = tl.load(amax_ptr).to(tl.float32)
+    return tl.minimum(tl.maximum(15 - _exponent(amax), -126), 126)
+
+
+@triton.jit
+def _pick(t, a0, a1, a2, a3):
+    """The t-th (0..3) of four values of one type."""
+    result = a0
+    if t == 1:
+        result = a1
+    if t == 2:
+        result = a2
+    if t == 3:
+        result = a3
+    return result
+
+
+@triton.jit
+def _to_fp16(X0, X1, X2, X3, Amax, Y, batch, heads_max,
+             b0, h0, m0, d0, H0, S0, o0, b1, h1, m1, d1, H1, S1, o1,
+             b2, h2, m2, d2, H2, S2, o2, b3, h3, m3, d3, H3, S3, o3,
+             ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Up to four [B, H_t, S_t, D] tensors X_t (one dtype; strides b_t, h_t, m_t, d_t) into the
+    flat fp16 Y from element o_t (contiguous), times 2^e per (batch, head), e = ``_fp16_exponent``
+    of that head's amax (``Amax``: fp32, X_t's contiguous [B, H_t] from t * batch * heads_max).
+    Grid (row tiles, batch * heads_max, tensors): one launch for all of a call's copies."""
+    t = tl.program_id(2)
+    bh = tl.program_id(1)
+    heads = _pick(t, H0, H1, H2, H3)
+    seq = tl.where(bh < batch * heads, _pick(t, S0, S1, S2, S3), 0)  # past H_t: no rows
+    b = bh // heads
+    h = bh % heads
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    dims = tl.arange(0, BLOCK_D)
+    base = _pick(t, X0, X1, X2, X3) + b * _pick(t, b0, b1, b2, b3) + h * _pick(t, h0, h1, h2, h3)
+    x = _load(base, rows, _pick(t, m0, m1, m2, m3), seq, dims, _pick(t, d0, d1, d2, d3), True,
+              HEAD_DIM, BLOCK_D)
+    y = (x.to(tl.float32) * _pow2(_fp16_exponent(Amax + t * batch * heads_max + bh))).to(tl.float16)
+    _store(Y + _pick(t, o0, o1, o2, o3) + bh.to(tl.int64) * seq * HEAD_DIM, rows, HEAD_DIM, seq,
+           dims, 1, y, False, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -130,16 +206,16 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows, d
         if MASKED:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s * scale_log2 - m_use[:, None])  # one fused multiply-add per score
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load(v_base, cols, svn, seq_k, dims, svd, MASKED, HEAD_DIM, BLOCK_D)
-        acc = _dot_add(p.to(v.dtype), v, acc * alpha[:, None], UPCAST)
+        p = tl.exp2(s * scale_log2 - (m_use - _P_SHIFT)[:, None])  # P * 2^15: one FMA per score
+        l_i = l_i * alpha + tl.sum(p, 1)  # l and acc carry P's 2^15: out = acc / l cancels it
+        v = _load(v_base, cols, svn, seq_k, dims, svd, MASKED, HEAD_DIM, BLOCK_D)  # fp16 copy
+        acc = _dot_add(p.to(tl.float16), v, acc * alpha[:, None], UPCAST)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _forward(Q, K, V, Out, Lse,
+def _forward(Q, K, V, VAmax, Out, Lse,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod, slb, slh, slm,
              q_heads, groups, seq_q, seq_k, offset, scale_log2,
@@ -147,7 +223,8 @@ def _forward(Q, K, V, Out, Lse,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
              UPCAST: tl.constexpr):
     """out and LSE of one q tile, written into the fp32 Out / Lse, or with MERGE merged into the
-    (out, lse) those rows hold (the schedules' running accumulator)."""
+    (out, lse) those rows hold (the schedules' running accumulator). V is ``_to_fp16``'s copy,
+    with its heads' amax in ``VAmax``; q and k are the inputs."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
@@ -170,8 +247,8 @@ def _forward(Q, K, V, Out, Lse,
                                    dims, full_end, end, seq_q, seq_k, offset, scale_log2, True,
                                    CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+    out = acc * (_pow2(-_fp16_exponent(VAmax + b * (q_heads // groups) + hk)) / l_safe)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i - _P_SHIFT + tl.log2(l_safe)) * _LN2)
     out_base = Out + b * sob + h * soh
     lse_ptrs = Lse + b * slb + h * slh + rows * slm
     if MERGE:
@@ -185,7 +262,8 @@ def _forward(Q, K, V, Out, Lse,
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm, sdd, slm,
-                cols, dims, lo, hi, seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr,
+                cols, dims, lo, hi, seq_q, seq_k, offset, scale_log2, p_shift, dp_scale,
+                delta_scale, MASKED: tl.constexpr,
                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     for start in range(lo, hi, BLOCK_M):
@@ -198,19 +276,19 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
         else:
             lse = tl.load(lse_base + rows * slm)
             delta = tl.load(delta_base + rows * slm)
-        lse2 = lse * _LOG2E
-        p_t = tl.exp2(_dot(k, tl.trans(q), UPCAST) * scale_log2 - lse2[None, :])  # [N, M]
+        lse2 = lse * _LOG2E - p_shift
+        p_t = tl.exp2(_dot(k, tl.trans(q), UPCAST) * scale_log2 - lse2[None, :])  # [N, M], scaled
         if MASKED:
             p_t = tl.where(_visible(rows[None, :], cols[:, None], seq_q, seq_k, offset, CAUSAL),
                            p_t, 0.0)
-        dv = _dot_add(p_t.to(do.dtype), do, dv, UPCAST)
-        ds_t = p_t * (_dot(v, tl.trans(do), UPCAST) - delta[None, :])
-        dk = _dot_add(ds_t.to(q.dtype), q, dk, UPCAST)
+        dv = _dot_add(p_t.to(tl.float16), do, dv, UPCAST)
+        ds_t = p_t * (_dot(v, tl.trans(do), UPCAST) * dp_scale - (delta * delta_scale)[None, :])
+        dk = _dot_add(ds_t.to(tl.float16), q, dk, UPCAST)
     return dk, dv
 
 
 @triton.jit
-def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
+def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV,
           sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
           sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgn, sgd, sub, suh, sun, sud,
           kv_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
@@ -218,6 +296,12 @@ def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """dk, dv of one k tile, written (or with ADD added) into the fp32 DK (strides sg*) and DV
     (su*); ``Lse`` and ``Delta`` (fp32, [B, Hq, Sq]) share the strides sl*.
+
+    Q, K, V, DO are ``_to_fp16``'s copies (their heads' amax in *Amax). For head h of the GQA
+    group, P is rounded as P 2^(15 + E0 - e_dO(h)) with E0 the group's least e_dO, so dv's
+    products are 2^(15 + E0) dv for every head. dS is rounded as dS 2^(U - e_q(h)), where
+    U = min over the group of e_dO + e_V - 23 + e_q bounds it below 2^15 (``_DK_DS_BOUND``), so
+    dk's products are 2^U dk.
 
     dq has its own kernel, which recomputes S and dP (7 products per tile pair instead of 5).
     Adding dq here instead was measured no faster on an H200, by per-element fp32 atomics (14.6
@@ -249,29 +333,50 @@ def _dkdv(Q, K, V, DO, Lse, Delta, DK, DV,
         full_start = rows_end
     full_start = tl.minimum(full_start, rows_end)
     full_end = tl.maximum(full_start, seq_q // BLOCK_M * BLOCK_M)
+    e_k = _fp16_exponent(KAmax + bh)
+    e_v = _fp16_exponent(VAmax + bh)
+    first_head = b * kv_heads * groups + hk * groups  # the group's first q head, as b * Hq + h
+    e0 = _fp16_exponent(DOAmax + first_head)
+    u = _fp16_exponent(DOAmax + first_head) + _fp16_exponent(QAmax + first_head)
+    for g in range(1, groups):
+        e0 = tl.minimum(e0, _fp16_exponent(DOAmax + first_head + g))
+        u = tl.minimum(u, _fp16_exponent(DOAmax + first_head + g)
+                       + _fp16_exponent(QAmax + first_head + g))
+    u = u + e_v + 15 - _DK_DS_BOUND
     for g in range(0, groups):
         h = hk * groups + g
+        e_q = _fp16_exponent(QAmax + first_head + g)
+        e_do = _fp16_exponent(DOAmax + first_head + g)
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdb + h * sdh
         lse_base = Lse + b * slb + h * slh
         delta_base = Delta + b * slb + h * slh
+        head_log2 = scale_log2 * _pow2(-e_k - e_q)
+        p_shift = (e0 - e_do).to(tl.float32) + _P_SHIFT
+        # ds_t = P 2^(15 + E0 - e_dO) (dP 2^(e_dO + e_V) * dp_scale - D * delta_scale)
+        dp_scale = _pow2(u - e_q - _P_SHIFT - e0 - e_v)
+        delta_scale = _pow2(u - e_q - _P_SHIFT - e0) * _pow2(e_do)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, first, full_start, seq_q, seq_k, offset,
-                             scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
+                             head_log2, p_shift, dp_scale, delta_scale, True, CAUSAL, BLOCK_M,
+                             HEAD_DIM, BLOCK_D, UPCAST)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, full_start, full_end, seq_q, seq_k, offset,
-                             scale_log2, False, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
+                             head_log2, p_shift, dp_scale, delta_scale, False, CAUSAL, BLOCK_M,
+                             HEAD_DIM, BLOCK_D, UPCAST)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, full_end, rows_end, seq_q, seq_k, offset,
-                             scale_log2, True, CAUSAL, BLOCK_M, HEAD_DIM, BLOCK_D, UPCAST)
-    _store(DK + b * sgb + hk * sgh, cols, sgn, seq_k, dims, sgd, dk * scale, ADD, HEAD_DIM,
-           BLOCK_D)
-    _store(DV + b * sub + hk * suh, cols, sun, seq_k, dims, sud, dv, ADD, HEAD_DIM, BLOCK_D)
+                             head_log2, p_shift, dp_scale, delta_scale, True, CAUSAL, BLOCK_M,
+                             HEAD_DIM, BLOCK_D, UPCAST)
+    _store(DK + b * sgb + hk * sgh, cols, sgn, seq_k, dims, sgd, dk * (_pow2(-u) * scale), ADD,
+           HEAD_DIM, BLOCK_D)
+    _store(DV + b * sub + hk * suh, cols, sun, seq_k, dims, sud, dv * _pow2(-e0 - _P_SHIFT), ADD,
+           HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, lo, hi,
-              seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+def _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, lo,
+              hi, seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               UPCAST: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
@@ -282,13 +387,13 @@ def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, 
         if MASKED:
             p = tl.where(_visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL), p,
                          0.0)
-        ds = p * (_dot(do, tl.trans(v), UPCAST) - delta[:, None])
-        dq = _dot_add(ds.to(k.dtype), k, dq, UPCAST)
+        ds = p * (_dot(do, tl.trans(v), UPCAST) * dp_scale[:, None] - delta[:, None])  # scaled
+        dq = _dot_add(ds.to(tl.float16), k, dq, UPCAST)
     return dq
 
 
 @triton.jit
-def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
+def _dq(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DQ, Out,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
         sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgm, sgd, sob, soh, som, sod,
         q_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
@@ -297,7 +402,11 @@ def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
     """dq of one q tile, written (or with ADD added) into the fp32 DQ (strides sg*); its k tiles
     as in the forward. It runs before ``_dkdv`` and writes that kernel's D = rowsum(dO * O) of its
     rows into ``Delta``, from the fp32 merged ``Out`` (strides so*): one read of O, no separate
-    passes."""
+    passes. Q, K, V, DO are ``_to_fp16``'s copies (their heads' amax in *Amax).
+
+    Scales (powers of two; e_x is x's copy's exponent): S and dP come out of the products times
+    2^(e_q + e_k) and 2^(e_dO + e_V). Row i's dS is rounded as dS 2^(e_dO + e_V - E_i), where
+    2 |dO_i|_1 < 2^E_i (in copy units) bounds |dP - D| 2^-15, so |dS| stays below 2^15."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
@@ -310,18 +419,30 @@ def _dq(Q, K, V, DO, Lse, Delta, DQ, Out,
     do = _load(DO + b * sdb + h * sdh, rows, sdm, seq_q, dims, sdd, True, HEAD_DIM, BLOCK_D)
     lse = tl.load(Lse + b * slb + h * slh + rows * slm, mask=rows < seq_q, other=0.0)
     o = _load(Out + b * sob + h * soh, rows, som, seq_q, dims, sod, True, HEAD_DIM, BLOCK_D)
-    delta = tl.sum(do.to(tl.float32) * o, 1)
-    tl.store(Delta + b * slb + h * slh + rows * slm, delta, mask=rows < seq_q)
+    do32 = do.to(tl.float32)
+    e_q = _fp16_exponent(QAmax + bh)
+    e_do = _fp16_exponent(DOAmax + bh)
+    e_k = _fp16_exponent(KAmax + b * (q_heads // groups) + hk)
+    e_v = _fp16_exponent(VAmax + b * (q_heads // groups) + hk)
+    delta = tl.sum(do32 * o, 1)  # D 2^e_dO
+    tl.store(Delta + b * slb + h * slh + rows * slm, delta * _pow2(-e_do), mask=rows < seq_q)
+    # E_i; a nonzero row's |dO_i|_1 >= 2^-24 (fp16's least), so the floor only meets zero rows
+    row_exp = tl.maximum(_exponent(2.0 * tl.sum(tl.abs(do32), 1)), -30)
+    dp_scale = _pow2(-row_exp)  # dP's products are 2^(e_dO + e_V) dP: dS's scale less e_dO + e_V
+    delta = delta * _pow2(e_v - row_exp)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
     lse2 = lse * _LOG2E
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, 0,
-                   full_end, seq_q, seq_k, offset, scale_log2, False, CAUSAL, BLOCK_N, HEAD_DIM,
-                   BLOCK_D, UPCAST)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, skn, skd, svn, svd, rows, dims,
-                   full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL, BLOCK_N,
+    scale_log2 = scale_log2 * _pow2(-e_q - e_k)
+    dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd, rows,
+                   dims, 0, full_end, seq_q, seq_k, offset, scale_log2, False, CAUSAL, BLOCK_N,
                    HEAD_DIM, BLOCK_D, UPCAST)
-    _store(DQ + b * sgb + h * sgh, rows, sgm, seq_q, dims, sgd, dq * scale, ADD, HEAD_DIM,
-           BLOCK_D)
+    dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd, rows,
+                   dims, full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL, BLOCK_N,
+                   HEAD_DIM, BLOCK_D, UPCAST)
+    # dq's products are 2^(e_dO + e_V - E_i + e_k) dq
+    unscale = _pow2(row_exp) * (_pow2(-e_do - e_v) * _pow2(-e_k) * scale)
+    _store(DQ + b * sgb + h * sgh, rows, sgm, seq_q, dims, sgd, dq * unscale[:, None], ADD,
+           HEAD_DIM, BLOCK_D)

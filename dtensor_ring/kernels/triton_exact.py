@@ -3,7 +3,9 @@
 Reads bf16/fp16 q, k, v (any strides: the schedules' sliced views are not copied; GQA through the
 kv head index, never repeated); returns fp32 out and LSE, and fp32 dq, dk, dv, or with
 ``forward_into`` / ``backward_into`` writes (merges, adds) them straight into the schedules' fp32
-accumulators. The backward takes the fp32 merged ``out`` for D = rowsum(dO * O). Head dims up to
+accumulators. The backward takes the fp32 merged ``out`` for D = rowsum(dO * O). The products of
+P and dS are rounded to fp16, against scaled fp16 copies of their other operands (made per call:
+V in the forward; q, k, v, dO in the backward); see ``triton_attention.py``. Head dims up to
 128 (non powers of two, e.g. 80, run in the next power-of-two tile, masked). Triton is optional:
 ``available`` is False without it. Under ``TRITON_INTERPRET=1`` the kernel also runs on CPU
 tensors (the tests use that).
@@ -108,8 +110,10 @@ class TritonExact(BlockKernel):
         shape = _tiles(tiles)["forward"]
         grid = (math.ceil(seq_q / shape.block_m), batch * q_heads)
         with _launching():
-            ta._forward[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(),
-                              *out.stride(), *lse.stride(), q_heads, q_heads // k.shape[1],
+            [(v16, v_amax)] = _fp16_copies(v)
+            ta._forward[grid](q, k, v16, v_amax, out, lse, *q.stride(), *k.stride(),
+                              *v16.stride(), *out.stride(), *lse.stride(), q_heads,
+                              q_heads // k.shape[1],
                               seq_q, seq_k, offset, scale * ta.LOG2E, MERGE=not fresh,
                               BLOCK_M=shape.block_m, BLOCK_N=shape.block_n,
                               **_constants(q, mask), **_launch(shape))
@@ -129,7 +133,6 @@ class TritonExact(BlockKernel):
             raise ValueError(f"into: dk and dv go into accumulators together, with the same add; "
                              f"got dk {said(dk_into)}, dv {said(dv_into)}")
         offset = _offset(mask, q.shape[2], k.shape[2])
-        dout = dout.to(q.dtype)  # lossless: autograd may hand back the fp32 out's gradient
         lse = lse.float().contiguous()
         delta = torch.empty_like(lse)  # D = rowsum(dO * O), from the fp32 merged out: _dq writes it
         dq = dq_into.view if dq_into else q.new_empty(q.shape, dtype=torch.float32)
@@ -137,17 +140,21 @@ class TritonExact(BlockKernel):
         dv = dv_into.view if dv_into else torch.empty_like(dk)
         batch, q_heads, seq_q, _ = q.shape
         kv_heads, seq_k = k.shape[1], k.shape[2]
-        strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
         sizes = (q_heads // kv_heads, seq_q, seq_k, offset, scale, scale * ta.LOG2E)
         chosen, constants = _tiles(tiles), _constants(q, mask)
         shape_dkdv, shape_dq = chosen["dkdv"], chosen["dq"]
         with _launching():
+            (q16, q_amax), (k16, k_amax), (v16, v_amax), (do16, do_amax) = _fp16_copies(
+                q, k, v, dout.to(q.dtype))  # lossless: autograd may hand back the fp32 out's grad
+            copies = (q16, k16, v16, do16, q_amax, k_amax, v_amax, do_amax, lse, delta)
+            strides = (*q16.stride(), *k16.stride(), *v16.stride(), *do16.stride(),
+                       *lse.stride())
             ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
-                q, k, v, dout, lse, delta, dq, out, *strides, *dq.stride(), *out.stride(),
+                *copies, dq, out, *strides, *dq.stride(), *out.stride(),
                 q_heads, *sizes, ADD=bool(dq_into and dq_into.add), BLOCK_M=shape_dq.block_m,
                 BLOCK_N=shape_dq.block_n, **constants, **_launch(shape_dq))
             ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
-                q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
+                *copies, dk, dv, *strides, *dk.stride(), *dv.stride(),
                 kv_heads, *sizes, ADD=bool(dk_into and dk_into.add),
                 BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **constants,
                 **_launch(shape_dkdv))
@@ -157,6 +164,41 @@ class TritonExact(BlockKernel):
 def _constants(q, mask) -> dict:
     """The kernels' compile-time arguments other than the tile sizes."""
     head_dim = q.shape[3]
-    return dict(CAUSAL=mask != NONE, HEAD_DIM=head_dim,
-                BLOCK_D=max(16, triton_next_pow2(head_dim)),
-                UPCAST=interpreting() and q.dtype == torch.bfloat16)
+    return dict(CAUSAL=mask != NONE, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+                UPCAST=interpreting())
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton_next_pow2(head_dim))
+
+
+# Rows per program of the fp16 copy: a bandwidth-bound pass, so tiles of 64 rows keep every SM busy.
+_COPY_ROWS = 16 if interpreting() else 64
+
+
+def _fp16_copies(*xs):
+    """[(copy, amax)] for each x ([B, H, S, D], at most four, one dtype, any strides, the same B
+    and D): x as a contiguous fp16 tensor times 2^e per (batch, head), e putting that head's
+    amax(|x|) in [2^14, 2^15) (``_to_fp16``), and that amax (fp32 [B, H], contiguous), which the
+    kernels take the scales from. One amax reduction per x and one launch for all the copies: on
+    short blocks the launches, not the bytes, are the cost. Call under ``_launching()``."""
+    from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
+
+    batch, head_dim = xs[0].shape[0], xs[0].shape[3]
+    heads_max = max(x.shape[1] for x in xs)
+    device = xs[0].device
+    amax = torch.empty(4 * batch * heads_max, device=device)
+    flat = torch.empty(sum(x.numel() for x in xs), dtype=torch.float16, device=device)
+    results, slots, start = [], [], 0
+    for t, x in enumerate(xs):
+        x_amax = amax[t * batch * heads_max:][:batch * x.shape[1]].view(batch, x.shape[1])
+        torch.linalg.vector_norm(x, float("inf"), dim=(2, 3), dtype=torch.float32, out=x_amax)
+        results.append((flat[start:start + x.numel()].view(x.shape), x_amax))
+        slots.append((*x.stride(), x.shape[1], x.shape[2], start))
+        start += x.numel()
+    slots += [slots[0]] * (4 - len(xs))
+    ta._to_fp16[(math.ceil(max(x.shape[2] for x in xs) / _COPY_ROWS), batch * heads_max,
+                 len(xs))](*xs, *[xs[0]] * (4 - len(xs)), amax, flat, batch, heads_max,
+                           *(value for slot in slots for value in slot), ROWS=_COPY_ROWS,
+                           HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
+    return results
