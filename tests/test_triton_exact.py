@@ -5,8 +5,9 @@ Tolerance: each of out, dq, dk, dv within LIMIT = 1.0 x the rel-RMS of the singl
 kernel in the same dtype on the same inputs. The Triton kernel rounds P and dS to fp16 for its
 products (cuDNN and flash round them to the input dtype) and returns fp32, so it must not be worse;
 on CPU, bf16 inputs, it measured 0.05-0.10x PyTorch's CPU kernel (whose bf16 results are rounded)
-and fp16 inputs 0.43-0.71x. A 1% error, or a top-left instead of bottom-right mask, fails. Split keys merged in fp32 must give the whole attention within 1.02x of the unsplit exact
-kernel's error, and the schedules at W = 2 within 1.02x of W = 1.
+and fp16 inputs 0.43-0.71x. A 1% error, or a top-left instead of bottom-right mask, fails. Split
+keys merged in fp32 must give the whole attention within 1.02x of the unsplit exact kernel's
+error, and the schedules at W = 2 within 1.02x of W = 1.
 """
 import pytest
 import torch

@@ -26,9 +26,9 @@ fp16 products. FlashAttention and cuDNN round P and dS to bf16 for the tensor-co
 rounding is most of their gradients' error. These kernels round them to fp16 (3 more mantissa
 bits) instead. fp16's 5-bit exponent needs scales, all powers of two (so every scaling is exact):
 * the products' other operands are fp16 copies made by ``_to_fp16`` (one launch per call): per
-  (batch, head), x * 2^e with e putting amax(|x|) in [2^14, 2^15). The forward copies V (S = QK^T stays bf16 x bf16); the
-  backward copies q, k, v, dO. The copies are exact except for values below 2^-24 of their head's
-  largest (fp16 subnormals).
+  (batch, head), x * 2^e with e putting amax(|x|) in [2^14, 2^15). The forward copies V (S = QK^T
+  stays bf16 x bf16); the backward copies q, k, v, dO. The copies are exact except for values
+  below 2^-24 of their head's largest (fp16 subnormals).
 * P is scaled by 2^15 (P <= 1), so P >= 2^-29 keeps fp16's full precision.
 * dS = P (dP - D) is scaled from a bound: |dS| <= P (|dP| + |D|) <= 2 |dO|_1 max|V|. dq's rows use
   their own |dO_i|_1; dK's rows use the bound d * max|dO| (they sum over every q row), which puts

@@ -27,8 +27,8 @@ from timing import local_median_ms  # noqa: E402
 
 from dtensor_ring.kernels import triton_attention as ta  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE  # noqa: E402
-from dtensor_ring.kernels.triton_exact import (TUNED, TritonExact, _block_d, _constants,  # noqa: E402
-                                               _fp16_copies, _launch, _offset)
+from dtensor_ring.kernels.triton_exact import (  # noqa: E402
+    TUNED, TritonExact, _block_d, _constants, _fp16_copies, _launch, _offset)
 from dtensor_ring_old.kernels.triton_exact import TritonExact as OldExact  # noqa: E402
 
 SCALE = 128 ** -0.5
