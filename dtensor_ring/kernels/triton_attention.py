@@ -337,7 +337,7 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV,
     e_v = _fp16_exponent(VAmax + bh)
     first_head = b * kv_heads * groups + hk * groups  # the group's first q head, as b * Hq + h
     e0 = _fp16_exponent(DOAmax + first_head)
-    u = _fp16_exponent(DOAmax + first_head) + _fp16_exponent(QAmax + first_head)
+    u = e0 + _fp16_exponent(QAmax + first_head)
     for g in range(1, groups):
         e0 = tl.minimum(e0, _fp16_exponent(DOAmax + first_head + g))
         u = tl.minimum(u, _fp16_exponent(DOAmax + first_head + g)
@@ -422,8 +422,9 @@ def _dq(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DQ, Out,
     do32 = do.to(tl.float32)
     e_q = _fp16_exponent(QAmax + bh)
     e_do = _fp16_exponent(DOAmax + bh)
-    e_k = _fp16_exponent(KAmax + b * (q_heads // groups) + hk)
-    e_v = _fp16_exponent(VAmax + b * (q_heads // groups) + hk)
+    kv_bh = b * (q_heads // groups) + hk  # the kv head, as b * Hkv + hk
+    e_k = _fp16_exponent(KAmax + kv_bh)
+    e_v = _fp16_exponent(VAmax + kv_bh)
     delta = tl.sum(do32 * o, 1)  # D 2^e_dO
     tl.store(Delta + b * slb + h * slh + rows * slm, delta * _pow2(-e_do), mask=rows < seq_q)
     # E_i; a nonzero row's |dO_i|_1 >= 2^-24 (fp16's least), so the floor only meets zero rows

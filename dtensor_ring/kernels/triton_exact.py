@@ -187,7 +187,7 @@ def _fp16_copies(*xs):
     batch, head_dim = xs[0].shape[0], xs[0].shape[3]
     heads_max = max(x.shape[1] for x in xs)
     device = xs[0].device
-    amax = torch.empty(4 * batch * heads_max, device=device)
+    amax = torch.empty(len(xs) * batch * heads_max, device=device)
     flat = torch.empty(sum(x.numel() for x in xs), dtype=torch.float16, device=device)
     results, slots, start = [], [], 0
     for t, x in enumerate(xs):
