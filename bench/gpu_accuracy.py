@@ -32,7 +32,17 @@ RUNS = [("cudnn", "fp32", SDPBackend.CUDNN_ATTENTION), ("flash", "fp32", SDPBack
 NAMES = ("out", "dq", "dk", "dv")
 
 
-def main():
+def _backends(value: str) -> list:
+    """--backends: a comma list of RUNS' block kernels, each known."""
+    valid = [run[0] for run in RUNS]
+    names = value.split(",")
+    for name in names:
+        if name not in valid:
+            raise argparse.ArgumentTypeError(f"has {name!r}; valid: {valid}")
+    return names
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=8192, help="global sequence length")
     parser.add_argument("--heads", type=int, default=8)
@@ -40,11 +50,15 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--backends", default=",".join(run[0] for run in RUNS),
+    parser.add_argument("--backends", type=_backends, default=[run[0] for run in RUNS],
                         help="comma list of the block kernels to run")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    runs = [run for run in RUNS if run[0] in args.backends.split(",")]
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
+    runs = [run for run in RUNS if run[0] in args.backends]
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()

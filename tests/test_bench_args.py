@@ -1,11 +1,13 @@
-"""bench/speed.py's argument checks: a bad --profile-methods name stops the run before any rank
-starts, naming the argument, the value and the valid names."""
+"""The benchmarks' argument checks: a bad --profile-methods name (bench/speed.py) or --backends name
+(bench/gpu_accuracy.py) stops the run before any rank starts, naming the argument, the value and
+the valid names."""
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_accuracy  # noqa: E402
 import speed  # noqa: E402
 
 
@@ -22,3 +24,15 @@ def test_bad_profile_method_is_a_clear_error(value, capsys):
     err = capsys.readouterr().err
     assert f"argument --profile-methods: has {value.split(',')[-1]!r}; valid: [" in err
     assert "'ring_fp32', 'ring_exact', 'zigzag_fp32'" in err
+
+
+def test_gpu_accuracy_backends_parsed_and_checked(capsys):
+    args = gpu_accuracy.parse_args(["--backends", "cudnn,triton_exact", "--out", "x.json"])
+    assert args.backends == ["cudnn", "triton_exact"]
+    assert gpu_accuracy.parse_args(["--out", "x.json"]).backends == ["cudnn", "flash",
+                                                                     "triton_exact"]
+    with pytest.raises(SystemExit):
+        gpu_accuracy.parse_args(["--backends", "cudnn,tritonexact", "--out", "x.json"])
+    err = capsys.readouterr().err
+    assert ("argument --backends: has 'tritonexact'; valid: ['cudnn', 'flash', 'triton_exact']"
+            in err)
