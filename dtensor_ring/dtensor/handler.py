@@ -11,12 +11,17 @@ one call and DTensor runs the op exactly as it would without dtensor_ring. For o
     forward:  local q/k/v -> schedule.forward on the sequence dimension's process group (or local
               attention if key/value are replicated) -> out and the fp32 LSE, placed like the query
     backward: local grad/q/k/v/out/LSE -> schedule.backward -> dq placed like q, dk/dv like k/v
-              (``Partial`` on the sequence dimension for replicated key/value)
+              (``Partial`` on the sequence dimension for replicated key/value; in exact mode
+              summed here in fp32 and rounded once, so replicated)
+
+Exact mode's fp32 out is kept for the backward beside the 16-bit out the op returns
+(``kept_out.py``), so that nothing is rounded before the final cast, as in ``ring_attention``.
 """
 import math
 import threading
 
 import torch
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -24,6 +29,7 @@ from .. import ops
 from ..kernels import get_kernel
 from ..layouts import get_layout
 from ..validation import check_options, check_qkv
+from .kept_out import keep, kept
 from .local_attention import local_backward, local_forward
 from .placements import SdpaPlan, plan_sdpa
 from .sdpa_ops import SDPA_OPS, bind
@@ -107,15 +113,24 @@ def _forward(plan, spec, a):
         out, lse = ops.ring_attention_fwd(lq, lk, lv, *_op_options(plan, a, options))
     else:
         out, lse = local_forward(lq, lk, lv, **_local_layout_args(plan), **options)
-    # Exact kernels return an fp32 out; SDPA's op returns the input dtype (and its backward
-    # receives that, so exact mode here computes rowsum(dO * O) from the rounded out).
-    out = _wrap(out.to(lq.dtype), plan.mesh, q.placements, q.shape)
+    # Exact kernels return an fp32 out; SDPA's op returns the input dtype, and its backward
+    # receives that: the fp32 one is kept for it (kept_out.py).
+    rounded = out.to(lq.dtype)
+    if rounded is not out and _needs_backward(q, k, v):
+        keep(rounded, out)
+    out = _wrap(rounded, plan.mesh, q.placements, q.shape)
     if spec.out_only:
         return out
     results = [out, _wrap(lse, plan.mesh, q.placements, q.shape[:3])]
     for extra in spec.extras:
         results.append(q.shape[2] if extra == "max" else _empty(plan.mesh, lq.device))
     return tuple(results)
+
+
+def _needs_backward(*xs) -> bool:
+    """Whether autograd will call the backward: an input needs a gradient and nothing traces
+    this call (the rule's eager path; traced, see the README's exact-mode limits)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
 def _backward(plan, spec, a):
@@ -125,14 +140,21 @@ def _backward(plan, spec, a):
         grad = grad.redistribute(out.device_mesh, out.placements)
     lq, lk, lv = (_local(x).contiguous() for x in (q, k, v))
     options = _options(plan, spec, a, lq)
-    locals_ = (_local(grad).contiguous(), lq, lk, lv, _local(out).contiguous(), _local(lse))
+    fp32_out = kept(_local(out))
+    lout = _local(out).contiguous() if fp32_out is None else fp32_out
+    locals_ = (_local(grad).contiguous(), lq, lk, lv, lout, _local(lse))
     if plan.ring:
         dq, dk, dv = ops.ring_attention_bwd(*locals_, *_op_options(plan, a, options))
         kv_placements = k.placements
     else:
         dq, dk, dv = local_backward(*locals_, **_local_layout_args(plan), **options)
         kv_placements = list(k.placements)
-        kv_placements[plan.seq_mesh_dim] = Partial()
+        if options["kernel"].exact:  # the fp32 shares summed here, then rounded once
+            group = plan.mesh.get_group(plan.seq_mesh_dim)
+            dk, dv = (funcol.all_reduce(x, "sum", group).to(y.dtype)
+                      for x, y in ((dk, lk), (dv, lv)))
+        else:
+            kv_placements[plan.seq_mesh_dim] = Partial()
     return (_wrap(dq, plan.mesh, q.placements, q.shape),
             _wrap(dk, plan.mesh, kv_placements, k.shape),
             _wrap(dv, plan.mesh, kv_placements, v.shape),

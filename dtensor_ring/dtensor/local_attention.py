@@ -4,13 +4,14 @@ The query rows are rank r's tokens in the sequence dimension's layout; key/value
 sequence in natural order. Non-causal, the rows are independent: one kernel call. Causal, each
 rank's view of the keys is cut into the W layout shards and attended in ring order with the same
 blocks the ring would compute (``layouts/``), merged in fp32: the ring with the exchange replaced
-by indexing. Key/value gradients are this rank's share of the sum over ranks (DTensor ``Partial``).
+by indexing. Key/value gradients are this rank's share of the sum over ranks (DTensor ``Partial``;
+in fp32 from an exact kernel, which the caller sums before rounding).
 """
 import torch
 
 from ..kernels.base import NONE
 from ..layouts import Layout
-from ..schedules.base import RowSums, attend_, block_backward, fp32_empty
+from ..schedules.base import RowSums, attend_, block_backward, fp32_empty, result_out
 
 
 def _shards(layout: Layout, local_len: int, rank: int, world: int, device):
@@ -29,13 +30,13 @@ def local_forward(q, k, v, *, layout, rank, world, is_causal, scale, kernel):
         ks, vs = k.index_select(2, index), v.index_select(2, index)
         for block in layout.ring_blocks(local_len, rank, src, world, True):
             attend_(kernel, q, ks, vs, block, scale, out, lse, fresh=step == 0)
-    return out.to(q.dtype), lse
+    return result_out(out, q, kernel), lse
 
 
 def local_backward(dout, q, k, v, out, lse, *, layout, rank, world, is_causal, scale, kernel):
     if not is_causal:
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, NONE, scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)  # exact kernels give fp32
+        return dq.to(q.dtype), *_shares(kernel, k, dk, dv)  # exact kernels give fp32
     local_len = q.shape[2]
     dq = RowSums(fp32_empty(q))
     dk, dv = (x.new_zeros(x.shape, dtype=torch.float32) for x in (k, v))
@@ -46,4 +47,10 @@ def local_backward(dout, q, k, v, out, lse, *, layout, rank, world, is_causal, s
             block_backward(kernel, dout, q, ks, vs, out, lse, block, scale, dq, dks, dvs)
         dk.index_add_(2, index, dks.result())
         dv.index_add_(2, index, dvs.result())
-    return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.result().to(q.dtype), *_shares(kernel, k, dk, dv)
+
+
+def _shares(kernel, k, dk, dv):
+    """This rank's shares of dk and dv, to be summed over ranks: in fp32 from an exact kernel
+    (the caller sums, then rounds once), else in the input dtype."""
+    return (dk, dv) if kernel.exact else (dk.to(k.dtype), dv.to(k.dtype))
