@@ -210,3 +210,23 @@ def test_dtensor_rule_exact_mode_is_the_simulation_and_needs_the_fp32_out():
     and without the fp32 out it keeps, its dq/dk error exceeds the 1.02 bound; with key/value
     replicated, its dk/dv are within 1.02x of exact mode at W = 1."""
     run_on_ranks(2, _rule_exact)
+
+
+def test_kept_out_lives_exactly_as_long_as_the_rounded_out():
+    """kept_out finds the fp32 out through any tensor sharing the rounded out's storage (views,
+    detached copies: what autograd saves), drops it when that storage is freed, and refuses to
+    key an out by itself (the entry would never be freed)."""
+    from dtensor_ring.dtensor import kept_out
+
+    fp32_out = torch.randn(1, 2, 8, 4)
+    rounded = fp32_out.to(torch.bfloat16)
+    kept_out.keep(rounded, fp32_out)
+    saved = rounded.detach()
+    del rounded
+    assert kept_out.kept(saved) is fp32_out
+    assert kept_out.kept(saved[:, :1]) is None  # another shape: not this out
+    assert kept_out.kept(fp32_out.to(torch.bfloat16)) is None  # another storage
+    del saved
+    assert not kept_out._KEPT
+    with pytest.raises(ValueError, match="rounded has fp32_out's dtype torch.float32"):
+        kept_out.keep(fp32_out, fp32_out)

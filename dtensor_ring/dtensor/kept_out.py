@@ -27,7 +27,7 @@ def keep(rounded: torch.Tensor, fp32_out: torch.Tensor) -> None:
     storage = rounded.untyped_storage()
     key = id(storage)
     _KEPT[key] = fp32_out
-    weakref.finalize(storage, _KEPT.pop, key, None)
+    weakref.finalize(storage, _KEPT.pop, key, None).atexit = False  # at exit the dict goes anyway
 
 
 def kept(rounded: torch.Tensor):
