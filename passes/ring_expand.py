@@ -26,7 +26,10 @@ After (abridged; ``tests/test_ring_expand.py`` pins the full sequence):
 
 The rank and world size come from the process group named in the node, so the result is specific to
 this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph cache never hands one
-rank's graph to another.
+rank's graph to another. It also includes the DTensor rule's registered sequence schedules: the
+graph Dynamo hands over is the same whatever schedule the rule then traces (it reads the
+registry below Dynamo), so without them the caches (AOTAutograd's and the FX graph cache, in memory
+and on disk) would hand a graph traced under one schedule to a run under another.
 """
 import collections
 import operator
@@ -40,6 +43,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dtensor_ring.comm import FunctionalComm
+from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.kernels import get_kernel
 from dtensor_ring.schedules import get_schedule
 
@@ -119,4 +123,4 @@ class RingExpandPass(CustomGraphPass):
 
     def uuid(self):
         rank = dist.get_rank() if dist.is_initialized() else -1
-        return f"{VERSION}-rank{rank}"
+        return f"{VERSION}-rank{rank}-{sequence_schedules_key()}"

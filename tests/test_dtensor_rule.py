@@ -275,6 +275,37 @@ def _two_d_world(mesh_1d):
     assert not failures, "\n".join(failures)
 
 
+def _schedule_changes_after_compiling(mesh):
+    """A function compiled under one registered schedule, called again after the entry changed
+    (zigzag -> stripe -> cleared: contiguous ring), follows the new entry: the graph holds the
+    schedule, so the change must drop it, and inductor's caches must not hand it out again
+    (without either, stripe's out was off by up to 1.96, in this process or, from the cache on
+    disk, in a new one)."""
+    from dtensor_ring.passes import RingExpandPass
+
+    q, k, v, _ = (x.float() for x in make_inputs(1, 4, 4, 64, 16, seed=0))
+    reference = sdpa(True)(q, k, v)
+    attend = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True))
+    cache_keys = set()  # the ring pass's uuid, in inductor's cache keys (in memory and on disk)
+    try:
+        for schedule in ("zigzag", "stripe", None):
+            if schedule is None:
+                drt.clear_sequence_schedule(mesh)
+            else:
+                drt.set_sequence_schedule(mesh, schedule)
+            cache_keys.add(RingExpandPass().uuid())
+            out = attend(*(drt.distribute_sequence(x, mesh) for x in (q, k, v)))
+            error = (drt.sequence_full_tensor(out).double() - reference).abs().max().item()
+            assert error < 1e-5, f"rank {mesh.get_local_rank()} {schedule}: max error {error}"
+    finally:
+        drt.clear_sequence_schedule(mesh)
+    assert len(cache_keys) == 3, cache_keys
+
+
+def test_changing_the_schedule_drops_graphs_compiled_under_the_old_one():
+    run_on_ranks(2, _schedule_changes_after_compiling)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sdpa_rule_on_sequence_sharded_dtensors(world_size):
     run_on_ranks(world_size, _one_d_world)

@@ -18,9 +18,20 @@ the ``"cp"`` dimension of the 2-D mesh it came from share an entry; an unnamed d
 its process group. An entry remembers the dimension's size: a DTensor on a same-named dimension of
 another size is an error, not a silent wrong layout. One schedule per mesh dimension at a time: a
 module's backward uses the entry in force when it runs.
+
+A compiled graph holds the schedule the rule found when it was traced, and ``torch.compile``
+cannot guard on this table (the rule reads it inside DTensor's dispatch, below the code Dynamo
+traces), so a graph compiled before an entry changed would run the old schedule on shards in the
+new layout: silently wrong. Changing an entry's schedule, precision or backend (clearing one
+included) therefore resets ``torch.compile``'s caches (``torch.compiler.reset()``): the next call
+of any compiled function compiles again. Setting the entry already in force (``ContextParallel``
+does before each forward) resets nothing. The entries are also part of the key under which
+inductor caches compiled graphs (``sequence_schedules_key``, in the ring pass's uuid), so no
+cache, in memory or on disk, hands out a graph traced under other entries.
 """
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..schedules import get_schedule
@@ -90,13 +101,34 @@ def set_sequence_schedule(mesh: DeviceMesh, schedule: str = "zigzag", *, mesh_di
         raise TypeError(f"backend must be a str; got {backend!r}")
     index = mesh_dim_index(mesh, mesh_dim)
     entry = SequenceSharding(schedule, precision, backend, mesh.size(index))
-    _ENTRIES[dim_key(mesh, index)] = entry
+    _replace(dim_key(mesh, index), entry)
     return entry
 
 
 def clear_sequence_schedule(mesh: DeviceMesh, *, mesh_dim=None) -> None:
     """Forget the entry of ``mesh``'s dimension ``mesh_dim``: back to contiguous / ``ring``."""
-    _ENTRIES.pop(dim_key(mesh, mesh_dim_index(mesh, mesh_dim)), None)
+    _replace(dim_key(mesh, mesh_dim_index(mesh, mesh_dim)), None)
+
+
+def sequence_schedules_key() -> str:
+    """Every entry in force, as text: part of the compile caches' keys (``passes/``)."""
+    return repr(sorted(_ENTRIES.items()))
+
+
+def _replace(key: tuple, entry: "SequenceSharding | None") -> None:
+    """Put ``entry`` (None: the default) in force for ``key``; if that changes what SDPA runs,
+    drop every compiled graph (see the module docstring)."""
+    default = SequenceSharding()
+    before, after = _ENTRIES.get(key, default), entry or default
+    if entry is None:
+        _ENTRIES.pop(key, None)
+    else:
+        _ENTRIES[key] = entry
+    runs = (before.schedule, before.precision, before.backend)
+    # Not while Dynamo traces (a compiled ContextParallel hook, which sets the entry in force).
+    if runs != (after.schedule, after.precision, after.backend) and (
+            not torch.compiler.is_compiling()):
+        torch.compiler.reset()
 
 
 def get_sequence_schedule(mesh: DeviceMesh, mesh_dim=None) -> SequenceSharding:
