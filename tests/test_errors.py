@@ -28,7 +28,7 @@ def _ring(mesh, q, k, v, **kwargs):
     (dict(backend="cuda_magic"), r"backend='cuda_magic' is not known; valid backends with precision='fp32': \['auto'"),
     (dict(backend="cudnn"), r"backend='cudnn' cannot run on device=cpu.*usable here: \['cpu_flash', 'math'\]"),
     (dict(precision="fp16"), r"precision='fp16' is not supported; valid: \['fp32', 'exact'\]"),
-    (dict(precision="exact", backend="cudnn"), r"backend='cudnn' is not known \(an fp32 kernel: it rounds each block\); valid backends with precision='exact': \['auto', 'cpu_flash_exact', 'math_exact', 'triton_exact'\]"),
+    (dict(precision="exact", backend="cudnn"), r"backend='cudnn' is not known \(an fp32 kernel: it rounds each block\); valid backends with precision='exact': \['auto', 'cpu_flash_exact', 'efficient_exact', 'math_exact', 'triton_exact'\]"),
     (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), r"attn_mask is not supported"),
     (dict(dropout_p=0.1), r"dropout_p=0.1 is not supported.*valid: 0.0"),
     (dict(scale=-1.0), r"scale=-1.0 must be None or a positive number"),

@@ -67,13 +67,17 @@ def test_exact_path_returns_the_input_dtype_and_keeps_the_fp32_out_for_backward(
     assert kernel.name == "cpu_flash_exact" and kernel.exact
 
 
-@pytest.mark.parametrize("name", ["cpu_flash_exact", "math_exact"])
+@pytest.mark.parametrize("name,device", [("cpu_flash_exact", "cpu"), ("math_exact", "cpu"),
+                                         ("efficient_exact", "cuda")])
 @pytest.mark.parametrize("mask", [NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT])
-def test_upcast_kernels_return_fp32_results(name, mask):
-    """The exact CPU kernels are the fp32 kernels on upcast blocks: fp32 out/LSE/grads, with the
-    error of fp32 arithmetic (<= 1.1x the fp32 SDPA kernel's own on the same inputs); the same
-    results rounded to bf16, as the fp32 path's kernels return them, are ~100x worse and fail."""
-    kernel, scale = EXACT_BACKENDS[name], 16 ** -0.5
+def test_upcast_kernels_return_fp32_results(name, device, mask):
+    """The upcast exact kernels are fp32 kernels on upcast blocks: fp32 out/LSE/grads, with the
+    error of fp32 arithmetic (<= 1.1x the fp32 CPU SDPA kernel's own on the same inputs); the same
+    results rounded to bf16, as the fp32 path's kernels return them, are ~100x worse and fail.
+    The lengths (24, 16 x 40) are not multiples of the efficient kernel's 32-row LSE padding."""
+    kernel, scale, device = EXACT_BACKENDS[name], 16 ** -0.5, torch.device(device)
+    if not kernel.available(device, torch.bfloat16, 16):
+        pytest.skip(f"{name} does not run on {device} here")
     sq, sk = (24, 24) if mask != CAUSAL_BOTTOM_RIGHT else (16, 40)
     q, k, v, dout = make_inputs(2, 4, 2, sk, 16, seed=3)
     q, dout = q[:, :, :sq], dout[:, :, :sq]
@@ -87,11 +91,13 @@ def test_upcast_kernels_return_fp32_results(name, mask):
 
     reference = attention_and_grads(sdpa_masked, *_rounded(low), torch.float64)
     fp32_single = attention_and_grads(sdpa_masked, *_rounded(low), torch.float32)
-    out, lse = kernel.forward(*low[:3], mask, scale)
-    grads = kernel.backward(low[3], *low[:3], out, lse, mask, scale)
+    on_device = [x.to(device) for x in low]
+    out, lse = kernel.forward(*on_device[:3], mask, scale)
+    grads = kernel.backward(on_device[3], *on_device[:3], out, lse, mask, scale)
     for tensor_name, x, s, ref in zip("out dq dk dv".split(), (out, *grads), fp32_single,
                                       reference):
         assert x.dtype == torch.float32, tensor_name
+        x = x.cpu()
         assert rel_rms(x, ref) <= 1.1 * rel_rms(s, ref) + 1e-7, tensor_name
         assert rel_rms(x.bfloat16(), ref) > 10 * rel_rms(s, ref), tensor_name
 

@@ -1,12 +1,14 @@
 """Block kernels and the registries ``backend=`` picks from, one per ``precision``.
 
 ``precision="fp32"``: ``BACKENDS``; ``"auto"`` takes the first available in ``AUTO_ORDER``: on CUDA
-cuDNN (fastest on Hopper), then flash-attn, then PyTorch's flash, then the fp32 math fallback; on
-CPU PyTorch's CPU flash kernel.
+cuDNN (fastest on Hopper), then flash-attn, then PyTorch's flash, then PyTorch's memory-efficient
+kernel (fp32 inputs, head dims above 256), then the fp32 math fallback; on CPU PyTorch's CPU flash
+kernel.
 
 ``precision="exact"``: ``EXACT_BACKENDS`` (kernels with fp32 out and gradients, ``exact = True``);
 ``"auto"`` takes the first available in ``EXACT_AUTO_ORDER``: on CPU the CPU flash kernel in fp32,
-on CUDA the Triton kernel (bf16/fp16, head dim <= 128), else the fp32 math fallback. Exact kernels
+on CUDA the Triton kernel (bf16/fp16, head dim <= 128), else the memory-efficient kernel on fp32
+blocks, else the fp32 math fallback. Exact kernels
 have their own names (``*_exact``), so a resolved kernel name alone says which precision it is.
 """
 import torch
@@ -14,18 +16,19 @@ import torch
 from .base import BlockKernel
 from .cpu_flash import CpuFlash
 from .cuda import Cudnn, Flash
+from .efficient import Efficient
 from .flash_attn import FlashAttn
 from .math import Math
 from .triton_exact import TritonExact
-from .upcast import cpu_flash_exact, math_exact
+from .upcast import cpu_flash_exact, efficient_exact, math_exact
 
 BACKENDS: dict[str, BlockKernel] = {
-    kernel.name: kernel for kernel in (CpuFlash(), Cudnn(), FlashAttn(), Flash(), Math())}
-AUTO_ORDER = ("cpu_flash", "cudnn", "flash_attn", "flash", "math")
+    kernel.name: kernel for kernel in (CpuFlash(), Cudnn(), FlashAttn(), Flash(), Efficient(), Math())}
+AUTO_ORDER = ("cpu_flash", "cudnn", "flash_attn", "flash", "efficient", "math")
 
 EXACT_BACKENDS: dict[str, BlockKernel] = {
-    kernel.name: kernel for kernel in (cpu_flash_exact(), TritonExact(), math_exact())}
-EXACT_AUTO_ORDER = ("cpu_flash_exact", "triton_exact", "math_exact")
+    kernel.name: kernel for kernel in (cpu_flash_exact(), TritonExact(), efficient_exact(), math_exact())}
+EXACT_AUTO_ORDER = ("cpu_flash_exact", "triton_exact", "efficient_exact", "math_exact")
 
 _REGISTRIES = {"fp32": (BACKENDS, AUTO_ORDER), "exact": (EXACT_BACKENDS, EXACT_AUTO_ORDER)}
 

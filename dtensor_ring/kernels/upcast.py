@@ -1,7 +1,9 @@
 """Exact kernels built from an fp32 kernel: upcast the block to fp32, run it, keep the fp32 results.
 
 ``cpu_flash_exact`` (PyTorch's CPU flash kernel in fp32; what ``precision="exact"`` uses on CPU, so
-CI tests exact mode) and ``math_exact`` (the plain-PyTorch fp32 fallback, any device). They have
+CI tests exact mode), ``efficient_exact`` (PyTorch's memory-efficient CUDA kernel in fp32: exact
+mode on CUDA where the Triton kernel does not apply) and ``math_exact`` (the plain-PyTorch fp32
+fallback, any device). They have
 the exact kernels' result semantics (fp32 out, LSE, dq, dk, dv; the backward takes the fp32 merged
 out), though the arithmetic inside is fp32 where the Triton kernel's products read bf16/fp16.
 """
@@ -9,6 +11,7 @@ import torch
 
 from .base import BlockKernel
 from .cpu_flash import CpuFlash
+from .efficient import Efficient
 from .math import Math
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -34,6 +37,10 @@ class Upcast(BlockKernel):
 
 def cpu_flash_exact() -> Upcast:
     return Upcast("cpu_flash_exact", CpuFlash())
+
+
+def efficient_exact() -> Upcast:
+    return Upcast("efficient_exact", Efficient())
 
 
 def math_exact() -> Upcast:

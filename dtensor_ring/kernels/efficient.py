@@ -1,0 +1,70 @@
+"""PyTorch's memory-efficient CUDA kernel (the CUTLASS kernels from xformers), called through its
+aten ops: the CUDA fallback where cuDNN and flash do not apply.
+
+Unlike those two it takes fp32 as well as bf16/fp16 and head dims above 256, and unlike ``math`` it
+never materialises the S_q x S_k scores: ``math`` on one 16K x 16K block of 32 heads needs 32 GiB
+for the fp32 scores alone (and three such tensors in its backward), which runs a GPU out of
+memory at the sequence lengths context parallelism is for. ``efficient_exact`` (``upcast.py``)
+runs it on fp32-upcast blocks: exact mode's fallback where the Triton kernel does not apply.
+
+* Masks: its ``custom_mask_type`` has all three (0 none, 1 causal from the top left, 2 causal from
+  the bottom right).
+* Layout: it works in [B, S, H, D]; q, k, v, dout and out go in as transposed views.
+* GQA: none in the kernel, so k/v are repeated for it on the compute side (``repeat_kv``) and dk/dv
+  summed back; they never travel repeated.
+* LSE: its forward returns the LSE padded to a multiple of ``_LSE_ALIGN`` rows, and its backward
+  reads that layout; the ring's merged LSE is put back into it.
+* Its backward reads ``out`` and ``dout`` as dense [B, S, H, D] tensors, so they are copied
+  into that layout: with 16-bit inputs, an ``out`` in the ring's [B, H, S, D] layout (a transposed
+  view) gave dq and dk 0.2-0.6 rel-RMS off on an H100 (torch 2.11), where its own forward's out,
+  dense in [B, S, H, D], gave the right ones; fp32 was right either way.
+* Its backward runs with ``num_splits_key=1``: with more splits the kernel adds dq across them
+  with atomics, and the result would change from run to run.
+"""
+import torch
+
+from .base import CAUSAL, CAUSAL_BOTTOM_RIGHT, MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
+
+_aten = torch.ops.aten
+_MASK_TYPE = {NONE: 0, CAUSAL: 1, CAUSAL_BOTTOM_RIGHT: 2}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LSE_ALIGN = 32  # the row padding of the kernel's LSE (kAlignLSE in PyTorch's kernel)
+
+
+def _bshd(x):
+    """[B, H, S, D] as the kernel's [B, S, H, D] view; a copy only if D is not dense."""
+    return (x if x.stride(-1) == 1 else x.contiguous()).transpose(1, 2)
+
+
+class Efficient(BlockKernel):
+    name = "efficient"
+    masks = MASKS
+
+    def available(self, device, dtype, head_dim):
+        # Rows must start 16-byte aligned for its vectorised loads: D a multiple of 8 elements
+        # keeps every row slice of a 16- or 32-bit tensor aligned.
+        return (device.type == "cuda" and torch.cuda.is_available() and dtype in _DTYPES
+                and head_dim % 8 == 0 and torch.backends.cuda.mem_efficient_sdp_enabled())
+
+    def forward(self, q, k, v, mask, scale):
+        groups = q.shape[1] // k.shape[1]
+        out, lse = _aten._efficient_attention_forward(
+            _bshd(q), _bshd(repeat_kv(k, groups)), _bshd(repeat_kv(v, groups)), None, None, None,
+            None, None, 0.0, _MASK_TYPE[mask], True, scale=scale)[:2]
+        return out.transpose(1, 2), lse[:, :, :q.shape[2]]
+
+    def backward(self, dout, q, k, v, out, lse, mask, scale):
+        groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        seq_q, seq_k = q.shape[2], k.shape[2]
+        padded = -(-seq_q // _LSE_ALIGN) * _LSE_ALIGN
+        lse_padded = lse.new_zeros(*lse.shape[:2], padded)
+        lse_padded[:, :, :seq_q] = lse
+        no_dropout = torch.empty((), dtype=torch.long)  # the RNG state: never read at p = 0
+        dq, dk, dv, _ = _aten._efficient_attention_backward(
+            _bshd(dout).contiguous(), _bshd(q), _bshd(k), _bshd(v), None,
+            _bshd(out).contiguous(), None, None, seq_q,
+            seq_k, lse_padded, 0.0, no_dropout, no_dropout, _MASK_TYPE[mask], False, scale=scale,
+            num_splits_key=1)
+        dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+        return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
