@@ -34,10 +34,14 @@ CANDIDATES = {
     "forward": [Tiles(128, 64, 4, 2), Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 4),
                 Tiles(128, 128, 8, 2), Tiles(128, 128, 8, 3), Tiles(128, 128, 8, 4),
                 Tiles(64, 64, 4, 3)],
+    # dK/dV runs two of its four products with the q tile as the reduction: 128-row q tiles
+    # (the last five) give those the same depth as the other two.
     "dkdv": [Tiles(32, 64, 4, 3), Tiles(32, 128, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 128, 8, 2),
-             Tiles(64, 128, 8, 3), Tiles(64, 128, 8, 4)],
+             Tiles(64, 128, 8, 3), Tiles(64, 128, 8, 4), Tiles(128, 64, 4, 2),
+             Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 3),
+             Tiles(128, 128, 8, 2)],
     "dq": [Tiles(64, 32, 4, 3), Tiles(128, 32, 8, 3), Tiles(128, 64, 8, 2), Tiles(128, 64, 8, 3),
-           Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 3)],
+           Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 2), Tiles(128, 128, 8, 3)],
 }
 KERNEL, CUDNN = TritonExact(), Cudnn()
 
@@ -148,7 +152,15 @@ def accuracy(best, args, rows):
         del ref
 
 
-def main():
+def _parts(text):
+    parts = text.split(",")
+    unknown = [p for p in parts if p not in CANDIDATES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"has {unknown[0]!r}; valid: {list(CANDIDATES)}")
+    return parts
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=32)
@@ -159,13 +171,19 @@ def main():
     parser.add_argument("--seeds", type=int, default=0)
     parser.add_argument("--accuracy-seq", type=int, default=8192)
     parser.add_argument("--skip-sweep", action="store_true", help="compare TUNED only")
+    parser.add_argument("--parts", type=_parts, default=list(CANDIDATES),
+                        help="the kernels to sweep, comma-separated (default: all)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     started, rows = time.time(), []
     all_cases = list(cases(args))
     chosen = dict(TUNED)
     if not args.skip_sweep:
-        for part in ("forward", "dkdv", "dq"):
+        for part in args.parts:
             chosen[part] = sweep(part, chosen, all_cases, args, rows) or chosen[part]
     print("best:", {part: tiles._asdict() for part, tiles in chosen.items()}, flush=True)
     versus_cudnn(chosen, all_cases, args, rows)

@@ -1,6 +1,6 @@
-"""The benchmarks' argument checks: a bad --profile-methods name (bench/speed.py) or --backends name
-(bench/gpu_accuracy.py) stops the run before any rank starts, naming the argument, the value and
-the valid names."""
+"""The benchmarks' argument checks: a bad --profile-methods name (bench/speed.py), --backends name
+(bench/gpu_accuracy.py) or --parts name (bench/triton_tune.py) stops the run before any rank or
+sweep starts, naming the argument, the value and the valid names."""
 import sys
 from pathlib import Path
 
@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_accuracy  # noqa: E402
 import speed  # noqa: E402
+import triton_tune  # noqa: E402
 
 
 def test_profile_methods_parsed_into_schedule_and_precision():
@@ -36,3 +37,13 @@ def test_gpu_accuracy_backends_parsed_and_checked(capsys):
     err = capsys.readouterr().err
     assert ("argument --backends: has 'tritonexact'; valid: ['cudnn', 'flash', 'triton_exact']"
             in err)
+
+
+def test_triton_tune_parts_parsed_and_checked(capsys):
+    assert triton_tune.parse_args(["--out", "x.json"]).parts == ["forward", "dkdv", "dq"]
+    assert triton_tune.parse_args(["--parts", "dkdv,dq", "--out", "x.json"]).parts == ["dkdv",
+                                                                                       "dq"]
+    with pytest.raises(SystemExit):
+        triton_tune.parse_args(["--parts", "dkdv,dk", "--out", "x.json"])
+    err = capsys.readouterr().err
+    assert "argument --parts: has 'dk'; valid: ['forward', 'dkdv', 'dq']" in err
