@@ -124,3 +124,21 @@ def test_auto_on_cuda_never_materialises_the_scores_where_a_fused_kernel_fits():
     assert get_kernel("auto", DEVICE, torch.float32, 128).name == "efficient"
     assert get_kernel("auto", DEVICE, torch.bfloat16, 256, "exact").name == "efficient_exact"
     assert get_kernel("auto", DEVICE, torch.float32, 128, "exact").name == "efficient_exact"
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the efficient kernel runs on CUDA")
+def test_efficient_backward_op_is_checked_and_traceable():
+    """The efficient kernel's backward is a custom op: opcheck passes, and make_fx over fake
+    tensors (what the compile pass does) traces it; the aten op alone failed there, its meta
+    function lacking the ``out`` argument."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dtensor_ring.kernels.efficient import efficient_backward
+
+    kernel, scale = BACKENDS["efficient"], 64 ** -0.5
+    q, k, v, dout = (x.float() for x in _inputs(40, 64, kv_heads=4))
+    out, lse = kernel.forward(q, k, v, CAUSAL_BOTTOM_RIGHT, scale)
+    torch.library.opcheck(efficient_backward, (dout, q, k, v, out, lse, 2, scale))
+    traced = make_fx(lambda *t: kernel.backward(*t, CAUSAL_BOTTOM_RIGHT, scale),
+                     tracing_mode="fake")(dout, q, k, v, out, lse)
+    assert "dtensor_ring.efficient_attention_backward" in traced.code

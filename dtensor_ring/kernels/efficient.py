@@ -18,7 +18,8 @@ runs it on fp32-upcast blocks: exact mode's fallback where the Triton kernel doe
   into that layout: with 16-bit inputs, an ``out`` in the ring's [B, H, S, D] layout (a transposed
   view) gave dq and dk 0.2-0.6 rel-RMS off on an H100 (torch 2.11), where its own forward's out,
   dense in [B, S, H, D], gave the right ones; fp32 was right either way.
-* Its backward runs with ``num_splits_key=1``: with more splits the kernel adds dq across them
+* Its backward is a custom op (``efficient_backward``), so the compile pass can trace it (see
+  there), and runs with ``num_splits_key=1``: with more splits the kernel adds dq across them
   with atomics, and the result would change from run to run.
 """
 import torch
@@ -55,16 +56,31 @@ class Efficient(BlockKernel):
 
     def backward(self, dout, q, k, v, out, lse, mask, scale):
         groups = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        seq_q, seq_k = q.shape[2], k.shape[2]
-        padded = -(-seq_q // _LSE_ALIGN) * _LSE_ALIGN
-        lse_padded = lse.new_zeros(*lse.shape[:2], padded)
-        lse_padded[:, :, :seq_q] = lse
-        no_dropout = torch.empty((), dtype=torch.long)  # the RNG state: never read at p = 0
-        dq, dk, dv, _ = _aten._efficient_attention_backward(
-            _bshd(dout).contiguous(), _bshd(q), _bshd(k), _bshd(v), None,
-            _bshd(out).contiguous(), None, None, seq_q,
-            seq_k, lse_padded, 0.0, no_dropout, no_dropout, _MASK_TYPE[mask], False, scale=scale,
-            num_splits_key=1)
-        dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+        dq, dk, dv = efficient_backward(dout, q, repeat_kv(k, groups), repeat_kv(v, groups), out,
+                                        lse, _MASK_TYPE[mask], scale)
         return dq, sum_kv_groups(dk, groups), sum_kv_groups(dv, groups)
+
+
+# The backward as a custom op: the aten op's fake (meta) implementation in torch 2.11 to 2.13
+# lacks its ``out`` argument, so every later argument lands one place off and tracing it (the
+# compile pass) fails with "got multiple values for argument 'scale'". The forward's traces.
+@torch.library.custom_op("dtensor_ring::efficient_attention_backward", mutates_args=())
+def efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, mask_type: int,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of q, k, v with as many heads, contiguous [B, H, S, D] (what the kernel writes
+    follows its inputs' strides; contiguous results keep the fake's strides the real ones)."""
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    lse_padded = lse.new_zeros(*lse.shape[:2], -(-seq_q // _LSE_ALIGN) * _LSE_ALIGN)
+    lse_padded[:, :, :seq_q] = lse
+    no_dropout = torch.empty((), dtype=torch.long)  # the RNG state: never read at p = 0
+    dq, dk, dv, _ = _aten._efficient_attention_backward(
+        _bshd(dout).contiguous(), _bshd(q), _bshd(k), _bshd(v), None, _bshd(out).contiguous(),
+        None, None, seq_q, seq_k, lse_padded, 0.0, no_dropout, no_dropout, mask_type, False,
+        scale=scale, num_splits_key=1)
+    return tuple(x.transpose(1, 2).contiguous() for x in (dq, dk, dv))
+
+
+@efficient_backward.register_fake
+def _(dout, q, k, v, out, lse, mask_type, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
