@@ -10,6 +10,7 @@ exact mode's fp32 out, kept for the backward, is not handed to autograd, so no f
 made and cast back.
 """
 import math
+import operator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -30,8 +31,12 @@ def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_ma
     check_options(is_causal=is_causal, scale=scale, precision=precision, attn_mask=attn_mask,
                   dropout_p=dropout_p)
     sched = get_schedule(schedule)
-    kernel = kernel_named(resolve_backend(backend, q.device, q.dtype, q.shape[-1], precision))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    # Under torch.compile a head dim seen to change (the same code compiled again) becomes
+    # symbolic, which resolve_backend (a constant) cannot take. operator.index makes Dynamo
+    # specialise it (a guard on its value); int() and math.trunc leave it symbolic.
+    head_dim = operator.index(q.shape[-1])
+    kernel = kernel_named(resolve_backend(backend, q.device, q.dtype, head_dim, precision))
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     return sched, dict(is_causal=is_causal, scale=scale, kernel=kernel)
 
 

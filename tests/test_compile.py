@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import dtensor_ring as dr
 from dtensor_ring import passes
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import rel_rms
+from dtensor_ring.numerics import attention_and_grads, make_inputs, rel_rms, sdpa
 from dist_utils import run_on_ranks
 
 LIMIT = 1e-5
@@ -95,3 +95,26 @@ def test_compiled_context_parallel_llama_matches_eager():
 
 def test_compiled_context_parallel_llama_matches_eager_on_4_ranks_every_schedule():
     run_on_ranks(4, _compiled_matches_eager, tuple(sorted(dr.SCHEDULES)))
+
+
+def _head_dim_changes(mesh):
+    """One compiled function called with two head dims: the second compile makes the head dim
+    symbolic (automatic dynamic shapes), and the backend choice must still see a constant.
+    Before, it failed with "assume_constant_result argument conversion failed"."""
+    def attend(a, b, c):
+        return dr.ring_attention(a, b, c, mesh=mesh, schedule="zigzag", is_causal=True)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    for head_dim in (16, 8):
+        inputs = make_inputs(1, 2, 1, 16 * mesh.size(), head_dim)
+        reference = attention_and_grads(sdpa(True), *inputs, torch.float64)
+        local = attention_and_grads(
+            compiled, *(dr.shard_sequence(x, mesh, layout="zigzag") for x in inputs),
+            torch.float32)
+        got = [dr.unshard_sequence(x.contiguous(), mesh, layout="zigzag") for x in local]
+        errors = [rel_rms(x, ref) for x, ref in zip(got, reference)]  # the file's bound, LIMIT
+        assert max(errors) <= LIMIT, f"head_dim={head_dim}: rel-RMS {errors}"
+
+
+def test_compiled_ring_attention_takes_a_second_head_dim():
+    run_on_ranks(2, _head_dim_changes)
