@@ -8,8 +8,8 @@ kernel.
 ``precision="exact"``: ``EXACT_BACKENDS`` (kernels with fp32 out and gradients, ``exact = True``);
 ``"auto"`` takes the first available in ``EXACT_AUTO_ORDER``: on CPU the CPU flash kernel in fp32,
 on CUDA the Triton kernel (bf16/fp16, head dim <= 128), else the memory-efficient kernel on fp32
-blocks, else the fp32 math fallback. Exact kernels
-have their own names (``*_exact``), so a resolved kernel name alone says which precision it is.
+blocks, else the fp32 math fallback. Exact kernels have their own names (``*_exact``), so a
+resolved kernel name alone says which precision it is.
 """
 import torch
 
@@ -23,11 +23,13 @@ from .triton_exact import TritonExact
 from .upcast import cpu_flash_exact, efficient_exact, math_exact
 
 BACKENDS: dict[str, BlockKernel] = {
-    kernel.name: kernel for kernel in (CpuFlash(), Cudnn(), FlashAttn(), Flash(), Efficient(), Math())}
+    kernel.name: kernel
+    for kernel in (CpuFlash(), Cudnn(), FlashAttn(), Flash(), Efficient(), Math())}
 AUTO_ORDER = ("cpu_flash", "cudnn", "flash_attn", "flash", "efficient", "math")
 
 EXACT_BACKENDS: dict[str, BlockKernel] = {
-    kernel.name: kernel for kernel in (cpu_flash_exact(), TritonExact(), efficient_exact(), math_exact())}
+    kernel.name: kernel
+    for kernel in (cpu_flash_exact(), TritonExact(), efficient_exact(), math_exact())}
 EXACT_AUTO_ORDER = ("cpu_flash_exact", "triton_exact", "efficient_exact", "math_exact")
 
 _REGISTRIES = {"fp32": (BACKENDS, AUTO_ORDER), "exact": (EXACT_BACKENDS, EXACT_AUTO_ORDER)}

@@ -3,9 +3,9 @@
 ``cpu_flash_exact`` (PyTorch's CPU flash kernel in fp32; what ``precision="exact"`` uses on CPU, so
 CI tests exact mode), ``efficient_exact`` (PyTorch's memory-efficient CUDA kernel in fp32: exact
 mode on CUDA where the Triton kernel does not apply) and ``math_exact`` (the plain-PyTorch fp32
-fallback, any device). They have
-the exact kernels' result semantics (fp32 out, LSE, dq, dk, dv; the backward takes the fp32 merged
-out), though the arithmetic inside is fp32 where the Triton kernel's products read bf16/fp16.
+fallback, any device). They have the exact kernels' result semantics (fp32 out, LSE, dq, dk, dv;
+the backward takes the fp32 merged out), though the arithmetic inside is fp32 where the Triton
+kernel's products read bf16/fp16.
 """
 import torch
 
