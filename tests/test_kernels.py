@@ -133,12 +133,13 @@ def test_efficient_backward_op_is_checked_and_traceable():
     function lacking the ``out`` argument."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from dtensor_ring.kernels.efficient import efficient_backward
+    from dtensor_ring.kernels.efficient import _MASK_TYPE, efficient_backward
 
     kernel, scale = BACKENDS["efficient"], 64 ** -0.5
     q, k, v, dout = (x.float() for x in _inputs(40, 64, kv_heads=4))
     out, lse = kernel.forward(q, k, v, CAUSAL_BOTTOM_RIGHT, scale)
-    torch.library.opcheck(efficient_backward, (dout, q, k, v, out, lse, 2, scale))
+    torch.library.opcheck(efficient_backward,
+                          (dout, q, k, v, out, lse, _MASK_TYPE[CAUSAL_BOTTOM_RIGHT], scale))
     traced = make_fx(lambda *t: kernel.backward(*t, CAUSAL_BOTTOM_RIGHT, scale),
                      tracing_mode="fake")(dout, q, k, v, out, lse)
     assert "dtensor_ring.efficient_attention_backward" in traced.code

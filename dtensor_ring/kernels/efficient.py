@@ -25,6 +25,7 @@ runs it on fp32-upcast blocks: exact mode's fallback where the Triton kernel doe
 import torch
 
 from .base import CAUSAL, CAUSAL_BOTTOM_RIGHT, MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
+from .cuda import _rows_strided
 
 _aten = torch.ops.aten
 _MASK_TYPE = {NONE: 0, CAUSAL: 1, CAUSAL_BOTTOM_RIGHT: 2}
@@ -34,7 +35,12 @@ _LSE_ALIGN = 32  # the row padding of the kernel's LSE (kAlignLSE in PyTorch's k
 
 def _bshd(x):
     """[B, H, S, D] as the kernel's [B, S, H, D] view; a copy only if D is not dense."""
-    return (x if x.stride(-1) == 1 else x.contiguous()).transpose(1, 2)
+    return _rows_strided(x).transpose(1, 2)
+
+
+def _bshd_dense(x):
+    """[B, H, S, D] as a dense [B, S, H, D] tensor (one copy at most)."""
+    return x.transpose(1, 2).contiguous()
 
 
 class Efficient(BlockKernel):
@@ -75,7 +81,7 @@ def efficient_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     lse_padded[:, :, :seq_q] = lse
     no_dropout = torch.empty((), dtype=torch.long)  # the RNG state: never read at p = 0
     dq, dk, dv, _ = _aten._efficient_attention_backward(
-        _bshd(dout).contiguous(), _bshd(q), _bshd(k), _bshd(v), None, _bshd(out).contiguous(),
+        _bshd_dense(dout), _bshd(q), _bshd(k), _bshd(v), None, _bshd_dense(out),
         None, None, seq_q, seq_k, lse_padded, 0.0, no_dropout, no_dropout, mask_type, False,
         scale=scale, num_splits_key=1)
     return tuple(x.transpose(1, 2).contiguous() for x in (dq, dk, dv))
