@@ -23,7 +23,6 @@ pass's ``make_fx``) takes the torch ops on any device: inductor fuses them itsel
 import importlib.util
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
@@ -33,9 +32,13 @@ class TorchFp32:
 
     @staticmethod
     def merge_(out, lse, block_out, block_lse):
-        weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
-        out.sub_(weight * (out - block_out))
-        lse.sub_(F.logsigmoid(lse - block_lse))
+        # sigmoid / logsigmoid in the form of triton_merge.merge_rows: a side at -inf (a row that
+        # saw no key there) gives weight 0 or 1 and leaves the other side's lse, with no inf - inf
+        diff = lse - block_lse
+        small = torch.exp(-diff.abs())
+        weight = torch.where(diff > 0, small, 1.0) / (1.0 + small)
+        out.sub_(weight.unsqueeze(-1) * (out - block_out))
+        lse.copy_(torch.maximum(lse, block_lse) + torch.log1p(small))
 
     @staticmethod
     def accumulate_(acc, x, add):
@@ -73,8 +76,8 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     """Merge one block into the fp32 accumulator in place.
 
     ``out`` [B, H, S, D] and ``lse`` [B, H, S] are fp32 (views are fine); ``block_out`` is in any
-    float dtype, ``block_lse`` fp32. ``lse`` must be finite: start the accumulator from a block
-    that covers every row (``init_``).
+    float dtype, ``block_lse`` fp32. A row at -inf on one side (it saw no key there: packed
+    documents) takes the other side's values; start the accumulator with ``init_``.
     """
     _ops(out).merge_(out, lse, block_out, block_lse)
 

@@ -1,38 +1,49 @@
 """The ring schedules as ``torch.library`` custom ops, so Dynamo and AOTAutograd see single nodes.
 
     dtensor_ring::ring_attention_fwd(q, k, v, group_name, schedule, is_causal, scale, backend,
-                                     precision) -> (out, lse)     out: fp32 if precision="exact"
+                                     precision, cu_seqlens, max_seqlen) -> (out, lse)
+                                                                  out: fp32 if precision="exact"
     dtensor_ring::ring_attention_bwd(dout, q, k, v, out, lse, group_name, ...) -> (dq, dk, dv)
 
 The process group travels by name (``ProcessGroup.group_name``), as in PyTorch's functional
-collectives, since an op schema cannot hold a Python object. Each op sits next to its fake
-implementation; autograd connects the two. ``ring_attention`` calls these ops; the compile pass
-(``dtensor_ring.passes``) finds them in the graph and expands them into explicit steps.
+collectives, since an op schema cannot hold a Python object. Packed documents travel as their
+boundaries (``cu_seqlens``: int32 on the inputs' device, already checked, or None) and the bound
+on their length (``max_seqlen``; 0 without documents), so a compiled graph takes new boundaries
+as a new input, not a recompile. Each op sits next to its fake implementation; autograd connects
+the two. ``ring_attention`` calls these ops; the compile pass (``dtensor_ring.passes``) finds them
+in the graph and expands them into explicit steps.
 """
+from typing import Optional
+
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm import ProcessGroupComm
+from .documents import Documents
 from .kernels import get_kernel
 from .schedules import get_schedule
 
 
-def _run(group_name, schedule, q, backend, precision):
-    comm = ProcessGroupComm(_resolve_process_group(group_name))
-    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], precision)
-    return comm, get_schedule(schedule), kernel
+def schedule_call(schedule, q, backend, precision, cu_seqlens, max_seqlen):
+    """The schedule, its kernel and its keyword options for an op's arguments."""
+    docs = None if cu_seqlens is None else Documents(cu_seqlens, max_seqlen)
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], precision, docs is not None)
+    return get_schedule(schedule), dict(kernel=kernel, docs=docs)
 
 
 @torch.library.custom_op("dtensor_ring::ring_attention_fwd", mutates_args=())
 def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
                        schedule: str, is_causal: bool, scale: float, backend: str,
-                       precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    comm, sched, kernel = _run(group_name, schedule, q, backend, precision)
-    return sched.forward(comm, q, k, v, is_causal=is_causal, scale=scale, kernel=kernel)
+                       precision: str, cu_seqlens: Optional[torch.Tensor],
+                       max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    comm = ProcessGroupComm(_resolve_process_group(group_name))
+    sched, options = schedule_call(schedule, q, backend, precision, cu_seqlens, max_seqlen)
+    return sched.forward(comm, q, k, v, is_causal=is_causal, scale=scale, **options)
 
 
 @ring_attention_fwd.register_fake
-def _(q, k, v, group_name, schedule, is_causal, scale, backend, precision):
+def _(q, k, v, group_name, schedule, is_causal, scale, backend, precision, cu_seqlens,
+      max_seqlen):
     # Exact mode keeps the merged out in fp32 (its backward reads it); callers cast it.
     out_dtype = torch.float32 if precision == "exact" else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -41,19 +52,23 @@ def _(q, k, v, group_name, schedule, is_causal, scale, backend, precision):
 @torch.library.custom_op("dtensor_ring::ring_attention_bwd", mutates_args=())
 def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, group_name: str, schedule: str,
-                       is_causal: bool, scale: float, backend: str,
-                       precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    comm, sched, kernel = _run(group_name, schedule, q, backend, precision)
+                       is_causal: bool, scale: float, backend: str, precision: str,
+                       cu_seqlens: Optional[torch.Tensor],
+                       max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    comm = ProcessGroupComm(_resolve_process_group(group_name))
+    sched, options = schedule_call(schedule, q, backend, precision, cu_seqlens, max_seqlen)
     return sched.backward(comm, dout.contiguous(), q, k, v, out, lse, is_causal=is_causal,
-                          scale=scale, kernel=kernel)
+                          scale=scale, **options)
 
 
 @ring_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, group_name, schedule, is_causal, scale, backend, precision):
+def _(dout, q, k, v, out, lse, group_name, schedule, is_causal, scale, backend, precision,
+      cu_seqlens, max_seqlen):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_OPTIONS = ("group_name", "schedule", "is_causal", "scale", "backend", "precision")
+_OPTIONS = ("group_name", "schedule", "is_causal", "scale", "backend", "precision",
+            "cu_seqlens", "max_seqlen")
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,23 +1,26 @@
 """Moving whole sequences to and from a layout: ``shard_sequence``, ``unshard_sequence``,
-``sequence_positions``."""
+``sequence_positions``; with ``cu_seqlens``, in the layout's per-document form (``documents.py``)."""
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .documents import documents, within_document
 from .layouts import Layout, get_layout
 from .mesh import check_device, resolve_group
 from .validation import check_tensor
 
 
-def rank_major_positions(layout: Layout, seq_len: int, world_size: int) -> torch.Tensor:
+def rank_major_positions(layout: Layout, seq_len: int, world_size: int,
+                         docs=None) -> torch.Tensor:
     """Global positions of all ranks' tokens, rank 0's first: the order of a concatenation of shards."""
     local = seq_len // world_size
-    return torch.cat([layout.positions(local, r, world_size) for r in range(world_size)])
+    return torch.cat([layout.positions(local, r, world_size, docs) for r in range(world_size)])
 
 
-def _dim(x, dim):
+def normalize_dim(x: torch.Tensor, dim: int, arg: str = "dim") -> int:
+    """``dim`` of ``x`` as a non-negative index; ValueError if out of range."""
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+        raise ValueError(f"{arg}={dim} is out of range for a tensor of shape {tuple(x.shape)}")
     return dim % x.dim()
 
 
@@ -26,41 +29,57 @@ def _group_of(mesh):
     return dist.get_rank(group), dist.get_world_size(group), group
 
 
-def shard_sequence(x: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag") -> torch.Tensor:
-    """This rank's shard of the whole sequence ``x`` (same on every rank) in ``layout``."""
+def _documents(cu_seqlens, layout, seq_len, world, device):
+    return documents(cu_seqlens, None, seq_len, layout.document_multiple(world), layout.name,
+                     device)
+
+
+def shard_sequence(x: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag", *,
+                   cu_seqlens=None) -> torch.Tensor:
+    """This rank's shard of the whole sequence ``x`` (same on every rank) in ``layout``; with
+    ``cu_seqlens`` (packed documents), in the layout's per-document form."""
     check_tensor(x, "x")
     check_device(mesh, x, "x")
-    dim, lay = _dim(x, dim), get_layout(layout)
+    dim, lay = normalize_dim(x, dim), get_layout(layout)
     rank, world, _ = _group_of(mesh)
     lay.check_global_len(x.shape[dim], world, f"x.shape[{dim}]")
-    index = lay.positions(x.shape[dim] // world, rank, world).to(x.device)
+    docs = _documents(cu_seqlens, lay, x.shape[dim], world, x.device)
+    index = lay.positions(x.shape[dim] // world, rank, world, docs).to(x.device)
     return x.index_select(dim, index)
 
 
-def unshard_sequence(x_local: torch.Tensor, mesh, dim: int = 2,
-                     layout: str = "zigzag") -> torch.Tensor:
+def unshard_sequence(x_local: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag", *,
+                     cu_seqlens=None) -> torch.Tensor:
     """The whole sequence in natural order, on every rank (differentiable)."""
     check_tensor(x_local, "x_local")
     check_device(mesh, x_local, "x_local")
-    dim, lay = _dim(x_local, dim), get_layout(layout)
+    dim, lay = normalize_dim(x_local, dim), get_layout(layout)
     _, world, group = _group_of(mesh)
     lay.check_local_len(x_local.shape[dim], f"x_local.shape[{dim}]")
+    docs = _documents(cu_seqlens, lay, x_local.shape[dim] * world, world, x_local.device)
     # The differentiable all-gather (torch.distributed.nn's is deprecated): rank-major along dim.
     gathered = funcol.all_gather_tensor_autograd(x_local.contiguous(), dim, group)
-    return from_rank_major(gathered, lay, world, dim)
+    return from_rank_major(gathered, lay, world, dim, docs)
 
 
-def from_rank_major(x: torch.Tensor, layout: Layout, world_size: int, dim: int) -> torch.Tensor:
+def from_rank_major(x: torch.Tensor, layout: Layout, world_size: int, dim: int,
+                    docs=None) -> torch.Tensor:
     """A concatenation of all ranks' shards along ``dim`` -> natural order."""
-    order = rank_major_positions(layout, x.shape[dim], world_size).argsort()
+    order = rank_major_positions(layout, x.shape[dim], world_size, docs).argsort()
     return x.index_select(dim, order.to(x.device))
 
 
-def sequence_positions(seq_len: int, mesh, layout: str = "zigzag", device=None) -> torch.Tensor:
-    """Global positions (int64) of this rank's tokens, e.g. for RoPE."""
+def sequence_positions(seq_len: int, mesh, layout: str = "zigzag", device=None, *,
+                       cu_seqlens=None) -> torch.Tensor:
+    """Positions (int64) of this rank's tokens, e.g. for RoPE: global positions, or with
+    ``cu_seqlens`` each token's position within its document."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int):
         raise TypeError(f"seq_len must be an int; got {seq_len!r}")
     lay = get_layout(layout)
     rank, world, _ = _group_of(mesh)
     lay.check_global_len(seq_len, world)
-    return lay.positions(seq_len // world, rank, world).to(device)
+    docs = _documents(cu_seqlens, lay, seq_len, world, torch.device(device or "cpu"))
+    positions = lay.positions(seq_len // world, rank, world, docs)
+    if docs is not None:
+        positions = within_document(positions, docs.cu)
+    return positions.to(device)

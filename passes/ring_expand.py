@@ -44,28 +44,34 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dtensor_ring.comm import FunctionalComm
 from dtensor_ring.dtensor.registry import sequence_schedules_key
-from dtensor_ring.kernels import get_kernel
-from dtensor_ring.schedules import get_schedule
+from dtensor_ring.ops import schedule_call
 
 VERSION = "ring_expand-1"
 COUNTERS: collections.Counter = collections.Counter()
 
 
 def _schedule_fn(node):
-    """The schedule call this node stands for, as a function of its tensor arguments."""
+    """The schedule call this node stands for, as a function of its tensor arguments (with
+    packed documents, their boundaries are the last tensor: a graph input, not a constant)."""
     forward = node.target is torch.ops.dtensor_ring.ring_attention_fwd.default
     n_tensors = 3 if forward else 6
-    tensors, options = node.args[:n_tensors], node.args[n_tensors:]
-    group_name, schedule, is_causal, scale, backend, precision = options
+    tensors, options = list(node.args[:n_tensors]), node.args[n_tensors:]
+    group_name, schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen = options
     group = _resolve_process_group(group_name)
     comm = FunctionalComm(group_name, dist.get_rank(group), dist.get_world_size(group))
     q = tensors[0 if forward else 1].meta["val"]
-    sched = get_schedule(schedule)
-    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], precision)
-    kwargs = dict(is_causal=is_causal, scale=scale, kernel=kernel)
-    if forward:
-        return tensors, lambda q, k, v: sched.forward(comm, q, k, v, **kwargs)
-    return tensors, lambda *t: sched.backward(comm, *t, **kwargs)
+    has_docs = cu_seqlens is not None
+    if has_docs:
+        tensors.append(cu_seqlens)
+
+    def call(*args):
+        args = list(args)
+        cu = args.pop() if has_docs else None
+        sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen)
+        run = sched.forward if forward else sched.backward
+        return run(comm, *args, is_causal=is_causal, scale=scale, **kwargs)
+
+    return tensors, call
 
 
 def _inline(graph, node, sub):

@@ -44,7 +44,7 @@ def render(graph: torch.fx.Graph) -> str:
         else:
             causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
             mask = node.kwargs.get("attn_mask")
-            tag = "causal" if causal is True else "bottom-right mask" if mask is not None else "full"
+            tag = "causal" if causal is True else "mask" if mask is not None else "full"
             lines.append(f"{op}({shapes}, {tag})")
     if folded:
         lines.append(f"  ({folded} ops)")

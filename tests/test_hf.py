@@ -205,6 +205,75 @@ def _call_errors(mesh, mesh2d, failures):
                  lambda: hf.apply(_model(), mesh.get_group()), "mesh=", "1-D DeviceMesh")
 
 
+PACKED = [0, 32, 96, 128]  # documents of 32, 64 and 32 tokens
+
+
+def _flattened():
+    """A ``DataCollatorWithFlattening``-style batch: one row of documents back to back,
+    position ids restarting at 0, each document's first label -100 (its separator)."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (1, PACKED[-1]), generator=gen)
+    labels = ids.clone()
+    labels[0, PACKED[:-1]] = -100
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(PACKED, PACKED[1:])])
+    return ids, labels, positions.unsqueeze(0)
+
+
+def _per_document_reference(base, ids, labels, separate=True):
+    """float64: each document through the model alone (``separate``; else the packed row as one
+    sequence), the causal-LM loss over all counted tokens of the row."""
+    model = copy.deepcopy(base).double()
+    spans = list(zip(PACKED, PACKED[1:])) if separate else [(0, PACKED[-1])]
+    token_losses = []
+    for a, b in spans:
+        logits = model(input_ids=ids[:, a:b], use_cache=False).logits
+        shifted = F.pad(labels[:, a + 1:b], (0, 1), value=-100)
+        token_losses.append(F.cross_entropy(logits.flatten(0, 1), shifted.flatten(),
+                                            ignore_index=-100, reduction="sum"))
+    count = (F.pad(labels[:, 1:], (0, 1), value=-100) != -100).sum()
+    loss = sum(token_losses) / count
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _packed(mesh, failures, label):
+    """A flattened batch: the adapter finds the documents in the position ids and attends
+    within them; the test data must tell attention across documents apart."""
+    base = _model()
+    ids, labels, positions = _flattened()
+    reference = _per_document_reference(base, ids, labels)
+    across = _per_document_reference(base, ids, labels, separate=False)
+    loss_err, worst, grad_err = _worst(across, reference)
+    if not max(loss_err, grad_err) > WRONG_FACTOR * FP32_LIMIT:
+        failures.append(f"{label}: attending across documents is only {grad_err:.2e} off")
+    for schedule in ("zigzag", "llama3", "stripe"):
+        model = hf.apply(copy.deepcopy(base), mesh, schedule=schedule)
+        result = _context_parallel(model, mesh, input_ids=ids, labels=labels,
+                                   position_ids=positions)
+        loss_err, worst, grad_err = _worst(result, reference)
+        if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
+            failures.append(f"{label} packed {schedule}: loss {loss_err:.2e}, worst grad "
+                            f"{worst} {grad_err:.2e} > {FP32_LIMIT}")
+
+
+def _sliding_windows(mesh, failures, label):
+    """A sliding window at least as long as the sequence is full causal attention: accepted and
+    equal to the model on one process; a shorter one is refused, naming the fix."""
+    ids, labels = _batch()
+    base = _mistral(4096)
+    reference = _single(base, ids, labels)
+    result = _context_parallel(hf.apply(copy.deepcopy(base), mesh), mesh, input_ids=ids,
+                               labels=labels)
+    loss_err, worst, grad_err = _worst(result, reference)
+    if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
+        failures.append(f"{label} sliding_window=4096: loss {loss_err:.2e}, worst grad {worst} "
+                        f"{grad_err:.2e}")
+    short = hf.apply(_mistral(16), mesh)
+    expect_error(failures, "a window shorter than the sequence", ValueError,
+                 lambda: short(input_ids=ids, labels=labels), "sliding_window=16",
+                 f"shorter than the sequence ({SEQ} tokens)", "at most 16 tokens")
+
+
 def _ranks(mesh2d):
     """W = 2 on mesh2d["cp"] (a named dimension of a (dp, cp) mesh), W = 4 on all ranks."""
     failures = []
@@ -213,6 +282,8 @@ def _ranks(mesh2d):
                             (whole, ("zigzag", "llama3"))):
         label = f"rank {dist.get_rank()}: cp rank {mesh.get_local_rank()}/{mesh.size()}"
         _parity(mesh, failures, label, schedules)
+    _packed(whole, failures, f"rank {dist.get_rank()}/4")
+    _sliding_windows(mesh2d["cp"], failures, f"rank {dist.get_rank()}")
     _call_errors(mesh2d["cp"], mesh2d, failures)
     assert not failures, "\n".join(failures)
 
@@ -221,11 +292,12 @@ def test_hf_llama_matches_single_process():
     run_on_ranks(4, _ranks, mesh_shape=(2, 2), mesh_dim_names=("dp", "cp"))
 
 
-def _mistral_sliding_window():
+def _mistral(sliding_window):
+    torch.manual_seed(0)
     config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                         num_hidden_layers=1, num_attention_heads=4,
-                                        num_key_value_heads=2, sliding_window=16,
-                                        attn_implementation="sdpa")
+                                        num_key_value_heads=2, sliding_window=sliding_window,
+                                        initializer_range=0.2, attn_implementation="sdpa")
     return transformers.MistralForCausalLM(config)
 
 
@@ -233,8 +305,7 @@ def _mistral_sliding_window():
     (lambda: transformers.LlamaModel(_config()), ("model must be", "LlamaModel")),
     (lambda: torch.nn.Linear(4, 4), ("model must be", "Linear")),
     (lambda: _model(attn_implementation="eager"), ("_attn_implementation='eager'", "'sdpa'")),
-    (_mistral_sliding_window, ("sliding_window=16", "full (causal) attention")),
-], ids=["base model", "not transformers", "eager attention", "sliding window"])
+], ids=["base model", "not transformers", "eager attention"])
 def test_hf_apply_refuses_models(make, fragments):
     with pytest.raises(ValueError) as error:
         hf.apply(make(), mesh=None)

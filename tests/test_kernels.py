@@ -143,3 +143,77 @@ def test_efficient_backward_op_is_checked_and_traceable():
     traced = make_fx(lambda *t: kernel.backward(*t, CAUSAL_BOTTOM_RIGHT, scale),
                      tracing_mode="fake")(dout, q, k, v, out, lse)
     assert "dtensor_ring.efficient_attention_backward" in traced.code
+
+
+# Packed documents: segments of unequal lengths, and empty ones (rows that see no key, keys no
+# row sees), as the layouts make them. q rows 0..47, k rows 0..39.
+SEGMENTS_Q = [0, 10, 10, 30, 40, 48]
+SEGMENTS_K = [0, 6, 14, 14, 30, 40]
+
+
+def _document_mask(mask):
+    """The segments' [Sq, Sk] visibility, written out pair by pair (independent of the
+    package's own ``kernels/segments.py``)."""
+    seen = torch.zeros(SEGMENTS_Q[-1], SEGMENTS_K[-1], dtype=torch.bool)
+    for s in range(len(SEGMENTS_Q) - 1):
+        q0, q1, k0, k1 = SEGMENTS_Q[s], SEGMENTS_Q[s + 1], SEGMENTS_K[s], SEGMENTS_K[s + 1]
+        for i in range(q0, q1):
+            for j in range(k0, k1):
+                bottom_right = (j - k0) <= (i - q0) + (k1 - k0) - (q1 - q0)
+                seen[i, j] = mask == NONE or bottom_right
+    return seen.to(DEVICE)
+
+
+def _masked_reference(q, k, v, dout, seen):
+    """Attention under ``seen`` with rows that see no key giving 0 (SDPA gives NaN there), and
+    its gradients, in q's dtype (products in fp32 for 16-bit, as the kernels do)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    kk, vv = (x.to(compute).repeat_interleave(groups, 1) for x in (k, v))
+    sees = seen.any(1, keepdim=True)
+    scores = q.to(compute) @ kk.transpose(-1, -2) * 64 ** -0.5
+    scores = scores.masked_fill(~seen, float("-inf")).masked_fill(~sees, 0.0)
+    out = ((scores.softmax(-1) * sees) @ vv).to(q.dtype)
+    out.backward(dout)
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _document_params():
+    from dtensor_ring.kernels import EXACT_BACKENDS  # noqa: PLC0415
+
+    kernels = {**BACKENDS, **EXACT_BACKENDS}
+    return [pytest.param(kernels[name], dtype, id=f"{name}-{str(dtype)[6:]}")
+            for name in sorted(kernels) for dtype in DTYPES
+            if kernels[name].documents and kernels[name].available(DEVICE, dtype, 64)]
+
+
+@pytest.mark.parametrize("kernel,dtype", _document_params())
+@pytest.mark.parametrize("mask", [NONE, CAUSAL_BOTTOM_RIGHT])
+def test_documents_attend_within_their_segments(kernel, dtype, mask):
+    """Each kernel with a document form against float64 attention under the segments' mask:
+    within 1.5x of SDPA's own masked error (fp32: at least FP32_FLOOR), rows with no key out 0
+    and LSE -inf, their dq 0, and keys no row sees dk = dv = 0."""
+    from dtensor_ring.layouts import Segments  # noqa: PLC0415
+
+    segments = Segments(torch.tensor(SEGMENTS_Q, dtype=torch.int32, device=DEVICE),
+                        torch.tensor(SEGMENTS_K, dtype=torch.int32, device=DEVICE), 20, 16)
+    seen = _document_mask(mask)
+    q, k, v, dout = _inputs(48, 40)
+    sees = seen.any(1)
+    reference = _masked_reference(q, k, v, dout, seen)
+    single = _masked_reference(*(x.to(dtype) for x in (q, k, v, dout)), seen)
+    q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
+    out, lse = kernel.forward(q, k, v, mask, 64 ** -0.5, segments)
+    grads = kernel.backward(dout, q, k, v, out, lse.masked_fill(~sees, 0.0), mask, 64 ** -0.5,
+                            segments)
+    floor = FP32_FLOOR if dtype == torch.float32 else 0.0
+    for name, x, s, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), single, reference):
+        bound = max(1.5 * rel_rms(s, ref), floor)
+        assert rel_rms(x, ref) <= bound, (name, rel_rms(x, ref), bound)
+    assert bool((lse[:, :, ~sees] == float("-inf")).all()) and not bool(out[:, :, ~sees].any())
+    assert bool(torch.isfinite(lse[:, :, sees]).all())
+    assert not bool(grads[0][:, :, ~sees].any())
+    unseen_keys = ~seen.any(0)
+    assert bool(unseen_keys.any()) and not bool(grads[1][:, :, unseen_keys].any())
+    assert not bool(grads[2][:, :, unseen_keys].any())

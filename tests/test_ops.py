@@ -26,7 +26,7 @@ def _inputs(requires_grad):
 @pytest.mark.parametrize("schedule", sorted(dtensor_ring.SCHEDULES))
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_opcheck(group_name, schedule, is_causal):
-    options = (group_name, schedule, is_causal, 0.25, "cpu_flash", "fp32")
+    options = (group_name, schedule, is_causal, 0.25, "cpu_flash", "fp32", None, 0)
     torch.library.opcheck(ops.ring_attention_fwd, (*_inputs(True), *options))
     q, k, v = _inputs(False)
     out, lse = ops.ring_attention_fwd(q, k, v, *options)
@@ -42,7 +42,7 @@ def _eager_and_op(group_name, precision, backend):
         q, k, v = (x.bfloat16().detach().requires_grad_() for x in _inputs(False))
         if use_op:
             out, _ = ops.ring_attention_fwd(q, k, v, group_name, "zigzag", True, 0.25, backend,
-                                            precision)
+                                            precision, None, 0)
             out = out.to(q.dtype)
         else:
             out = dtensor_ring.ring_attention(q, k, v, mesh=group, schedule="zigzag",

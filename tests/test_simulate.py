@@ -93,7 +93,7 @@ def test_an_off_by_one_causal_mask_fails_the_tolerance(dtype):
     reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
     single = attention_and_grads(sdpa(True), q, k, v, dout, dtype)
     wrong = RingPass("stripe", _OffByOneStripe())
-    options = dict(is_causal=True, scale=64 ** -0.5, kernel=BACKENDS["cpu_flash"])
+    options = dict(is_causal=True, scale=64 ** -0.5, kernel=BACKENDS["cpu_flash"], docs=None)
     got = attention_and_grads(
         lambda a, b, c: dr.attention._SimulatedRing.apply(a, b, c, 4, wrong, options),
         q, k, v, dout, dtype)

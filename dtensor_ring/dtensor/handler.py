@@ -95,7 +95,7 @@ def _op_options(plan: SdpaPlan, a, options) -> tuple:
     """The trailing arguments of ``ops.ring_attention_fwd/bwd``: one graph node under compile."""
     group = plan.mesh.get_group(plan.seq_mesh_dim)
     return (group.group_name, plan.entry.schedule, a["is_causal"], options["scale"],
-            options["kernel"].name, plan.entry.precision)
+            options["kernel"].name, plan.entry.precision, None, 0)
 
 
 def _local_layout_args(plan: SdpaPlan) -> dict:

@@ -22,6 +22,12 @@ Applied to a module, it
    ``ring_attention`` on the mesh (SDPA on sequence-sharded DTensors still goes through the SDPA
    rule); tensor-parallel heads stay local to the TP rank and pass through.
 
+Packed documents (``packed.py``): given ``cu_seqlens`` (a keyword the module's forward need not
+have) or ``position_ids`` that restart at 0 at each document (Hugging Face's convention), the
+style shards every sequence input in the layout's per-document form, gives the module the
+positions within each document, and its SDPA attends within documents. ``documents=False`` takes
+``position_ids`` as they are and never looks for restarts.
+
 Outputs stay local (this rank's tokens, in the layout's order). Each rank's loss is the mean over
 its own tokens: with equal token counts the global loss is the mean over the ranks, and parameter
 gradients must be averaged over the mesh dimension like a data-parallel one (``sync_gradients``, or
@@ -45,6 +51,7 @@ from ..layouts import get_layout
 from ..schedules import get_schedule
 from ..sharding import sequence_positions, shard_sequence
 from ..validation import check_int
+from .packed import find_documents
 from .placements import SEQ
 from .registry import set_sequence_schedule
 
@@ -59,9 +66,9 @@ class _SequenceSdpa(TorchFunctionMode):
     and so through the DTensor rule.
     """
 
-    def __init__(self, mesh: DeviceMesh, style: "ContextParallel"):
+    def __init__(self, mesh: DeviceMesh, style: "ContextParallel", packed=None):
         super().__init__()
-        self.mesh, self.style = mesh, style
+        self.mesh, self.style, self.packed = mesh, style, packed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -85,9 +92,12 @@ class _SequenceSdpa(TorchFunctionMode):
                 "inside a ContextParallel module, SDPA inputs must be local tensors (this "
                 "rank's tokens) or DTensors sharded on the sequence (Shard(2)); got query "
                 f"{type(query).__name__} with placements {getattr(query, 'placements', None)}")
+        packed = self.packed
         return ring_attention(query, key, value, mesh=self.mesh, schedule=self.style.schedule,
                               is_causal=is_causal, scale=scale, precision=self.style.precision,
-                              backend=self.style.backend, dropout_p=dropout_p)
+                              backend=self.style.backend, dropout_p=dropout_p,
+                              cu_seqlens=None if packed is None else packed.cu_seqlens,
+                              max_seqlen=None if packed is None else packed.max_seqlen)
 
 
 class ContextParallel(ParallelStyle):
@@ -96,11 +106,13 @@ class ContextParallel(ParallelStyle):
     ``schedule``: one of ``dr.SCHEDULES``; ``seq_dim``: the sequence dim of the module's inputs
     (1 for [batch, seq] token ids); ``precision``/``backend``: as in ``dr.ring_attention``;
     ``seq_inputs``: names of the arguments to shard (default: every tensor argument);
-    ``position_ids``: the name of the forward parameter to fill with global positions (None: never).
+    ``position_ids``: the name of the forward parameter to fill with global positions (None: never);
+    ``documents``: look for packed documents (``cu_seqlens`` or restarting position ids).
     """
 
     def __init__(self, schedule: str = "zigzag", *, seq_dim: int = 1, precision: str = "fp32",
-                 backend: str = "auto", seq_inputs=None, position_ids: str | None = "position_ids"):
+                 backend: str = "auto", seq_inputs=None, position_ids: str | None = "position_ids",
+                 documents: bool = True):
         super().__init__()
         self.layout = get_layout(get_schedule(schedule).layout.name)
         check_int(seq_dim, "seq_dim", 0, "a non-negative int (the sequence dim of the module's "
@@ -113,6 +125,9 @@ class ContextParallel(ParallelStyle):
         self.precision, self.backend = precision, backend
         self.seq_inputs = None if seq_inputs is None else tuple(seq_inputs)
         self.position_ids = position_ids
+        if not isinstance(documents, bool):
+            raise TypeError(f"documents must be a bool; got {documents!r}")
+        self.documents = documents
 
     def _register(self, mesh):
         set_sequence_schedule(mesh, self.schedule, precision=self.precision, backend=self.backend)
@@ -132,13 +147,24 @@ class ContextParallel(ParallelStyle):
                 "from arange(seq_len) (RoPE) would be wrong", stacklevel=3)
         modes = []
 
-        def pre_hook(mod, args, kwargs):
+        def enter(args, kwargs):
             self._register(device_mesh)
-            args, kwargs = self._shard_inputs(list(params), args, kwargs, device_mesh, fill)
-            mode = _SequenceSdpa(device_mesh, self)
+            args, kwargs, packed = self._shard_inputs(list(params), args, kwargs, device_mesh,
+                                                      fill)
+            mode = _SequenceSdpa(device_mesh, self, packed)
             mode.__enter__()
             modes.append(mode)
             return args, kwargs
+
+        # Packed documents are found by reading the batch (packed.py): that part runs outside
+        # torch.compile's graph, whole (one graph break before the forward, which is traced
+        # under the mode as usual); a batch without them stays in the graph.
+        enter_packed = torch.compiler.disable(enter)
+
+        def pre_hook(mod, args, kwargs):
+            if self._may_hold_documents(params, args, kwargs):
+                return enter_packed(args, kwargs)
+            return enter(args, kwargs)
 
         def post_hook(mod, args, kwargs, output):
             if modes:
@@ -149,14 +175,26 @@ class ContextParallel(ParallelStyle):
         module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
         return module
 
+    def _may_hold_documents(self, params, args, kwargs) -> bool:
+        """Whether this call passes what packed documents are found in (``packed.py``)."""
+        if not self.documents:
+            return False
+        named = dict(zip(params, args))
+        named.update(kwargs)
+        return (named.get("cu_seqlens") is not None
+                or isinstance(named.get(self.position_ids), torch.Tensor))
+
     def _shard_inputs(self, names, args, kwargs, mesh, fill):
         named = dict(zip(names, args))
         named.update(kwargs)
+        # cu_seqlens describes the batch for the style; the module gets it only if it asks for it
+        cu_seqlens = named.get("cu_seqlens") if "cu_seqlens" in names else named.pop(
+            "cu_seqlens", None)
         for name in MASK_ARGS:
             if isinstance(named.get(name), torch.Tensor):
                 raise ValueError(f"{name} is not supported with ContextParallel yet (got a tensor "
                                  f"of shape {tuple(named[name].shape)}); pass None / omit it")
-        chosen = [n for n, x in named.items() if isinstance(x, torch.Tensor)
+        chosen = [n for n, x in named.items() if isinstance(x, torch.Tensor) and n != "cu_seqlens"
                   and (self.seq_inputs is None or n in self.seq_inputs)]
         if self.seq_inputs is not None:
             missing = [n for n in self.seq_inputs if n not in named]
@@ -178,13 +216,26 @@ class ContextParallel(ParallelStyle):
                 raise ValueError(
                     f"input {n!r} has length {x.shape[self.seq_dim]} on seq_dim={self.seq_dim} "
                     f"but {chosen[0]!r} has {seq_len}; all sequence inputs must match")
-            named[n] = shard_sequence(x, mesh, dim=self.seq_dim, layout=self.layout.name)
+        packed = None
+        if seq_len is not None and self.documents and (
+                cu_seqlens is not None or named.get(self.position_ids) is not None):
+            group = mesh.get_group()
+            packed = find_documents(cu_seqlens, named.get(self.position_ids), self.seq_dim,
+                                    seq_len, self.layout, dist.get_rank(group),
+                                    dist.get_world_size(group), named[chosen[0]].device)
+        elif cu_seqlens is not None:
+            raise ValueError("cu_seqlens was passed to a ContextParallel module built with "
+                             "documents=False (or with no sequence inputs to shard)")
+        for n in chosen:
+            named[n] = (shard_sequence(named[n], mesh, dim=self.seq_dim, layout=self.layout.name)
+                        if packed is None else named[n].index_select(self.seq_dim, packed.index))
         if fill and named.get(self.position_ids) is None and seq_len is not None:
             device = named[chosen[0]].device
-            positions = sequence_positions(seq_len, mesh, layout=self.layout.name, device=device)
+            positions = (sequence_positions(seq_len, mesh, layout=self.layout.name, device=device)
+                         if packed is None else packed.positions)
             named[self.position_ids] = positions.expand(*lead, positions.shape[0])
         positional = tuple(named.pop(n) for n in names[:len(args)])
-        return positional, named
+        return positional, named, packed
 
 
 @torch.no_grad()

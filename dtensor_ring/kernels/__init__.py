@@ -10,6 +10,10 @@ kernel.
 on CUDA the Triton kernel (bf16/fp16, head dim <= 128), else the memory-efficient kernel on fp32
 blocks, else the fp32 math fallback. Exact kernels have their own names (``*_exact``), so a
 resolved kernel name alone says which precision it is.
+
+Packed documents (``documents=True``) take the first available kernel that has a document form
+(``documents``): on CUDA PyTorch's flash varlen op (fp32 mode) or the Triton kernel (exact mode),
+else the math fallback (a dense mask per block); on CPU the CPU flash kernel with a mask.
 """
 import torch
 
@@ -36,9 +40,10 @@ _REGISTRIES = {"fp32": (BACKENDS, AUTO_ORDER), "exact": (EXACT_BACKENDS, EXACT_A
 
 
 def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-               precision: str = "fp32") -> BlockKernel:
+               precision: str = "fp32", documents: bool = False) -> BlockKernel:
     """The kernel named ``backend``, or for ``"auto"`` the first available of ``precision``'s
-    registry; ValueError if unusable.
+    registry (with ``documents``: the first that also takes packed documents); ValueError if
+    unusable.
 
     A name means one kernel, so an exact kernel's name resolves whatever ``precision`` says (that is
     how a resolved kernel travels by name, e.g. through ``ops.py``); ``precision="exact"`` refuses
@@ -47,31 +52,38 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim:
     if precision not in _REGISTRIES:
         raise ValueError(f"precision={precision!r} is not supported; valid: {list(_REGISTRIES)}")
     backends, order = _REGISTRIES[precision]
+
+    def usable(kernel):
+        return kernel.available(device, dtype, head_dim) and (kernel.documents or not documents)
+
     if backend == "auto":
         for name in order:
-            if backends[name].available(device, dtype, head_dim):
+            if usable(backends[name]):
                 return backends[name]
         raise ValueError(f"no block kernel supports device={device}, dtype={dtype}, "
-                         f"head_dim={head_dim}, precision={precision!r}")
+                         f"head_dim={head_dim}, precision={precision!r}"
+                         + (" with packed documents" if documents else ""))
     known = backends if precision == "exact" else {**BACKENDS, **EXACT_BACKENDS}
     if backend not in known:
         hint = " (an fp32 kernel: it rounds each block)" if backend in BACKENDS else ""
         raise ValueError(f"backend={backend!r} is not known{hint}; valid backends with "
                          f"precision={precision!r}: {['auto', *sorted(known)]}")
     kernel = known[backend]
-    if not kernel.available(device, dtype, head_dim):
-        usable = [n for n in order if backends[n].available(device, dtype, head_dim)]
-        raise ValueError(f"backend={backend!r} cannot run on device={device}, dtype={dtype}, "
-                         f"head_dim={head_dim}; usable here: {usable}")
+    if not usable(kernel):
+        which = "with packed documents (cu_seqlens) " if kernel.available(
+            device, dtype, head_dim) else ""
+        raise ValueError(f"backend={backend!r} cannot run {which}on device={device}, "
+                         f"dtype={dtype}, head_dim={head_dim}; usable here: "
+                         f"{[n for n in order if usable(backends[n])]}")
     return kernel
 
 
 @torch.compiler.assume_constant_result
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                    precision: str = "fp32") -> str:
+                    precision: str = "fp32", documents: bool = False) -> str:
     """``get_kernel(...).name``, a constant under torch.compile: the availability checks call into
     ``torch.backends`` (e.g. ``cudnn.is_available``), which Dynamo cannot trace."""
-    return get_kernel(backend, device, dtype, head_dim, precision).name
+    return get_kernel(backend, device, dtype, head_dim, precision, documents).name
 
 
 def kernel_named(name: str) -> BlockKernel:

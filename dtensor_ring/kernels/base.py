@@ -20,6 +20,12 @@ accumulators: the forward's (out, lse) written or merged into the running ones, 
 written or added (``Into``: a view and whether to add). By default they run ``forward`` /
 ``backward`` and then one merge or accumulation pass; ``triton_exact`` does it in its own kernels,
 which saves those passes.
+
+Packed documents: every method also takes ``segments`` (``layouts.Segments``: which q rows attend
+which keys; the mask applies within each segment, bottom-right aligned), offered by kernels with
+``documents = True``, which then also offer "causal_bottom_right". A q row that sees no key (an
+empty segment) gets out 0 and LSE -inf, which the merges leave out; the backward gives it dq 0,
+and keys no row sees get dk = dv = 0.
 """
 from typing import NamedTuple, Optional
 
@@ -36,27 +42,29 @@ class BlockKernel:
     exact = False
     supports_gqa = True
     masks = (NONE, CAUSAL)
+    documents = False  # takes ``segments`` (packed documents)
 
     def available(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         raise NotImplementedError
 
-    def forward(self, q, k, v, mask: str, scale: float):
+    def forward(self, q, k, v, mask: str, scale: float, segments=None):
         raise NotImplementedError
 
-    def forward_into(self, out, lse, fresh: bool, q, k, v, mask: str, scale: float) -> None:
+    def forward_into(self, out, lse, fresh: bool, q, k, v, mask: str, scale: float,
+                     segments=None) -> None:
         """``forward`` into the fp32 accumulator ``out``/``lse`` (views of its rows): written
         where ``fresh`` (the rows hold nothing yet), else merged into what they hold."""
-        block_out, block_lse = self.forward(q, k, v, mask, scale)
+        block_out, block_lse = self.forward(q, k, v, mask, scale, segments)
         (init_ if fresh else merge_)(out, lse, block_out, block_lse)
 
-    def backward(self, dout, q, k, v, out, lse, mask: str, scale: float):
+    def backward(self, dout, q, k, v, out, lse, mask: str, scale: float, segments=None):
         raise NotImplementedError
 
     def backward_into(self, into: "tuple[Optional[Into], Optional[Into], Optional[Into]]",
-                      dout, q, k, v, out, lse, mask: str, scale: float):
+                      dout, q, k, v, out, lse, mask: str, scale: float, segments=None):
         """(dq, dk, dv) as ``backward``, except that each with an ``Into`` goes into it and is
         None in the result; dk and dv both have one (with the same ``add``) or neither."""
-        grads = self.backward(dout, q, k, v, out, lse, mask, scale)
+        grads = self.backward(dout, q, k, v, out, lse, mask, scale, segments)
         for target, grad in zip(into, grads):
             if target is not None:
                 accumulate_(target.view, grad, target.add)

@@ -1,34 +1,48 @@
-"""PyTorch's CPU flash-attention kernel (bf16, fp16, fp32; native GQA; returns the LSE)."""
+"""PyTorch's CPU flash-attention kernel (bf16, fp16, fp32; native GQA; returns the LSE).
+
+Its ``is_causal`` is top-left; the bottom-right mask and packed documents go in as an additive
+bias (``segments.py``), with the rows that see no key set to out 0, LSE -inf afterwards (the
+kernel gives LSE 0 there).
+"""
 import torch
 
 from .base import CAUSAL, CAUSAL_BOTTOM_RIGHT, MASKS, BlockKernel
+from .segments import additive, visible, without_keys
 
 _aten = torch.ops.aten
 
 
-def _causal_and_bias(q, k, mask):
-    """The kernel's ``is_causal`` (top-left) and, for bottom-right, an additive bias instead."""
-    if mask != CAUSAL_BOTTOM_RIGHT:
-        return mask == CAUSAL, None
+def _bottom_right(sq, sk, device):
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
+
+
+def _causal_and_seen(q, k, mask, segments):
+    """The kernel's ``is_causal`` (top-left), or the [Sq, Sk] mask to pass as a bias instead."""
     sq, sk = q.shape[2], k.shape[2]
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-    bias = torch.zeros(sq, sk, dtype=q.dtype, device=q.device)
-    return False, bias.masked_fill_(~allowed, float("-inf"))
+    if segments is not None:
+        return False, visible(segments, sq, sk, mask)
+    if mask == CAUSAL_BOTTOM_RIGHT:
+        return False, _bottom_right(sq, sk, q.device)
+    return mask == CAUSAL, None
 
 
 class CpuFlash(BlockKernel):
     name = "cpu_flash"
     masks = MASKS
+    documents = True
 
     def available(self, device, dtype, head_dim):
         return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
-    def forward(self, q, k, v, mask, scale):
-        causal, bias = _causal_and_bias(q, k, mask)
-        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                 attn_mask=bias, scale=scale)
+    def forward(self, q, k, v, mask, scale, segments=None):
+        causal, seen = _causal_and_seen(q, k, mask, segments)
+        bias = None if seen is None else additive(seen, q.dtype)
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                     attn_mask=bias, scale=scale)
+        return (out, lse) if segments is None else without_keys(out, lse, seen)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
-        causal, bias = _causal_and_bias(q, k, mask)
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None):
+        causal, seen = _causal_and_seen(q, k, mask, segments)
+        bias = None if seen is None else additive(seen, q.dtype)
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)

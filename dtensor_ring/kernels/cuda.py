@@ -5,6 +5,12 @@ not their own (the merged ones), which is what the ring needs. cuDNN is the fast
 PyTorch's flash op is flash-attn v2 inside: its ``is_causal`` is bottom-right aligned, which is
 top-left for square blocks, so it offers both causal masks; cuDNN's is top-left only.
 
+Packed documents: PyTorch's flash op has a varlen form (``_flash_attention_forward`` /
+``_backward`` with cumulative boundaries, one batch row at a time as [S, H, D] views); it is the
+document kernel of fp32 mode on CUDA. cuDNN's ragged form (``_cudnn_attention_forward`` with
+boundaries) is not used: on an H100 (torch 2.11, cuDNN 9.19) it took 50-70 ms per call where
+flash's took 0.2-0.4 ms, and gave wrong rows for causal segments of unequal lengths.
+
 Strided inputs: the schedules pass row slices of [B, H, S, D] tensors (zigzag's half blocks).
 Measured on an H200 (torch 2.11, cuDNN 9.19; bench/kernel_probe.py, results in
 bench/results/2026-11-23_speed_opt_h200_w2/): cuDNN's forward and backward and flash's forward
@@ -36,13 +42,17 @@ class _CudaKernel(BlockKernel):
     def _op_available(self):
         return True
 
-    def forward(self, q, k, v, mask, scale):
+    def forward(self, q, k, v, mask, scale, segments=None):
+        if segments is not None:
+            return self._varlen_forward(q, k, v, mask != NONE, scale, segments)
         groups, causal = q.shape[1] // k.shape[1], mask != NONE
         if not self.supports_gqa:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         return self._forward(_rows_strided(q), _rows_strided(k), _rows_strided(v), causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None):
+        if segments is not None:
+            return self._varlen_backward(dout, q, k, v, out, lse, mask != NONE, scale, segments)
         causal = mask != NONE
         groups = q.shape[1] // k.shape[1]
         if not self.supports_gqa:
@@ -79,6 +89,7 @@ class Flash(_CudaKernel):
     max_head_dim = 256
     masks = MASKS
     backward_takes_views = False
+    documents = True
 
     def _op_available(self):
         return torch.backends.cuda.flash_sdp_enabled()
@@ -93,3 +104,38 @@ class Flash(_CudaKernel):
         return _aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal,
             unused_rng, unused_rng, scale=scale)
+
+    # Packed documents: the varlen op, per batch row, on [S, H, D] views of the [B, H, S, D]
+    # tensors (any row and head strides; measured right on an H100 with zero-length q and k
+    # segments, GQA and transposed views). Its causal mask is bottom-right aligned per segment.
+    # A row that sees no key gets LSE +inf from the kernel: -inf here (the kernels' convention).
+
+    def _varlen_forward(self, q, k, v, causal, scale, segments):
+        outs, lses = [], []
+        for b in range(q.shape[0]):
+            out, lse = _aten._flash_attention_forward(
+                _rows(q[b]), _rows(k[b]), _rows(v[b]), segments.cu_q, segments.cu_k,
+                segments.max_q, segments.max_k, 0.0, causal, False, scale=scale)[:2]
+            outs.append(out.transpose(0, 1))
+            lses.append(lse.masked_fill(lse == float("inf"), float("-inf")))
+        return _stack(outs), _stack(lses)
+
+    def _varlen_backward(self, dout, q, k, v, out, lse, causal, scale, segments):
+        unused_rng = torch.empty(0, device=q.device)
+        grads = []
+        for b in range(q.shape[0]):
+            grads.append(_aten._flash_attention_backward(
+                _rows(dout[b]), _rows(q[b]), _rows(k[b]), _rows(v[b]), _rows(out[b]),
+                lse[b].contiguous(), segments.cu_q, segments.cu_k, segments.max_q,
+                segments.max_k, 0.0, causal, unused_rng, unused_rng, scale=scale))
+        return tuple(_stack([g[i].transpose(0, 1) for g in grads]) for i in range(3))
+
+
+def _rows(x):
+    """[H, S, D] -> the varlen ops' [S, H, D] (a view; the head dim made dense if it is not)."""
+    return _rows_strided(x).transpose(0, 1)
+
+
+def _stack(rows):
+    """Batch rows -> one tensor (no copy for a single row)."""
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)

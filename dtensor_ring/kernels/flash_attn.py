@@ -25,7 +25,7 @@ class FlashAttn(BlockKernel):
         return (device.type == "cuda" and dtype in _HALF and head_dim <= 256
                 and importlib.util.find_spec("flash_attn") is not None)
 
-    def forward(self, q, k, v, mask, scale):
+    def forward(self, q, k, v, mask, scale, segments=None):
         causal = mask != NONE
         bshd = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
         out, lse = _interface()._flash_attn_forward(
@@ -33,7 +33,7 @@ class FlashAttn(BlockKernel):
             softcap=0.0, alibi_slopes=None, return_softmax=False)[:2]
         return out.transpose(1, 2), lse
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None):
         causal = mask != NONE
         bshd = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]
         dq, dk, dv = (torch.empty_like(x) for x in bshd[1:4])

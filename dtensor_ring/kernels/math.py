@@ -1,38 +1,52 @@
 """Plain-PyTorch attention in fp32 (any device, any float dtype): the fallback where no fused kernel
-fits, e.g. fp32 inputs on CUDA. Softmax statistics and products are fp32; outputs are cast back."""
+fits, e.g. fp32 inputs on CUDA. Softmax statistics and products are fp32; outputs are cast back.
+Packed documents go in as a dense mask (``segments.py``)."""
 import torch
 
 from .base import CAUSAL, MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
+from .segments import visible
 
 
-def _scores(q, k, mask, scale):
+def _seen(sq, sk, mask, segments, device):
+    """[Sq, Sk] booleans of which q row sees which key, or None for "all"."""
+    if segments is not None:
+        return visible(segments, sq, sk, mask)
+    if mask == NONE:
+        return None
+    diagonal = 0 if mask == CAUSAL else sk - sq
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal)
+
+
+def _scores(q, k, mask, scale, segments):
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask != NONE:
-        sq, sk = s.shape[-2:]
-        diagonal = 0 if mask == CAUSAL else sk - sq
-        allowed = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(diagonal)
-        s = s.masked_fill(~allowed, float("-inf"))
-    return s
+    seen = _seen(s.shape[-2], s.shape[-1], mask, segments, s.device)
+    return s if seen is None else s.masked_fill(~seen, float("-inf"))
+
+
+def _probabilities(s, lse):
+    """exp(s - lse), 0 in rows that see no key (s and lse both -inf there)."""
+    return torch.exp(s - lse.unsqueeze(-1)).nan_to_num(nan=0.0)
 
 
 class Math(BlockKernel):
     name = "math"
     masks = MASKS
+    documents = True
 
     def available(self, device, dtype, head_dim):
         return dtype.is_floating_point
 
-    def forward(self, q, k, v, mask, scale):
+    def forward(self, q, k, v, mask, scale, segments=None):
         groups = q.shape[1] // k.shape[1]
-        s = _scores(q, repeat_kv(k, groups), mask, scale)
+        s = _scores(q, repeat_kv(k, groups), mask, scale, segments)
         lse = torch.logsumexp(s, dim=-1)
-        out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), repeat_kv(v, groups).float())
+        out = torch.matmul(_probabilities(s, lse), repeat_kv(v, groups).float())
         return out.to(q.dtype), lse
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None):
         groups = q.shape[1] // k.shape[1]
         kf, vf, dof = repeat_kv(k, groups).float(), repeat_kv(v, groups).float(), dout.float()
-        p = torch.exp(_scores(q, kf, mask, scale) - lse.unsqueeze(-1))
+        p = _probabilities(_scores(q, kf, mask, scale, segments), lse)
         dv = torch.matmul(p.transpose(-1, -2), dof)
         dp = torch.matmul(dof, vf.transpose(-1, -2))
         delta = (dof * out.float()).sum(-1, keepdim=True)

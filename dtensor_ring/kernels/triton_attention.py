@@ -177,6 +177,39 @@ def _visible(rows, cols, seq_q, seq_k, offset, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _visible_in_documents(row_seg, row_lim, col_seg, cols, CAUSAL: tl.constexpr):
+    """Packed documents: q rows see k cols of their own segment (``row_seg`` == ``col_seg``) up
+    to ``row_lim`` (causal; the row's last visible col). Rows and cols out of range carry
+    segment -1 and -2. Broadcastable index grids, as in ``_visible``."""
+    seen = row_seg == col_seg
+    if CAUSAL:
+        seen = seen & (cols <= row_lim)
+    return seen
+
+
+@triton.jit
+def _documents_k_range(SegQ, CuK, m0, seq_q, row_lim, BLOCK_M: tl.constexpr,
+                       CAUSAL: tl.constexpr):
+    """The k cols the q tile at row m0 may see with documents: from its first row's segment's
+    first key to its last row's segment's last key (causal: no further than its rows' largest
+    limit; rows of different segments have unrelated limits)."""
+    last = tl.minimum(m0 + BLOCK_M, seq_q) - 1
+    lo = tl.load(CuK + tl.load(SegQ + m0))
+    hi = tl.load(CuK + tl.load(SegQ + last) + 1)
+    if CAUSAL:
+        hi = tl.minimum(hi, tl.max(row_lim, 0) + 1)
+    return lo, hi
+
+
+@triton.jit
+def _row_segments(SegQ, LimQ, rows, seq_q):
+    """Each row's segment and causal limit (out of range: segment -1)."""
+    inside = rows < seq_q
+    return (tl.load(SegQ + rows, mask=inside, other=-1),
+            tl.load(LimQ + rows, mask=inside, other=-1))
+
+
+@triton.jit
 def _q_tile_bounds(m0, seq_k, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     """For the q tile starting at row m0: (full_end, end). k tiles below full_end are seen whole
@@ -193,13 +226,18 @@ def _q_tile_bounds(m0, seq_k, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
 def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows, dims, lo, hi,
                    seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   UPCAST: tl.constexpr, DOCS: tl.constexpr, SegK, row_seg, row_lim):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
         s = _dot(q, tl.trans(k), UPCAST)  # unscaled; the running max m_i is in log2 units
         if MASKED:
-            seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
+            if DOCS:
+                col_seg = tl.load(SegK + cols, mask=cols < seq_k, other=-2)
+                seen = _visible_in_documents(row_seg[:, None], row_lim[:, None],
+                                             col_seg[None, :], cols[None, :], CAUSAL)
+            else:
+                seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
             s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # scale > 0 (validation.check_options)
         m_use = m_new  # the unmasked tiles run first or after a seen tile: m_new is finite
@@ -215,16 +253,18 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows, d
 
 
 @triton.jit
-def _forward(Q, K, V, VAmax, Out, Lse,
+def _forward(Q, K, V, VAmax, Out, Lse, SegQ, LimQ, SegK, CuQ, CuK,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod, slb, slh, slm,
              q_heads, groups, seq_q, seq_k, offset, scale_log2,
              CAUSAL: tl.constexpr, MERGE: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             UPCAST: tl.constexpr):
+             UPCAST: tl.constexpr, DOCS: tl.constexpr):
     """out and LSE of one q tile, written into the fp32 Out / Lse, or with MERGE merged into the
     (out, lse) those rows hold (the schedules' running accumulator). V is ``_to_fp16``'s copy,
-    with its heads' amax in ``VAmax``; q and k are the inputs."""
+    with its heads' amax in ``VAmax``; q and k are the inputs. With DOCS (packed documents), the
+    tile walks only the keys of its rows' segments, every tile masked (SegQ, LimQ, SegK: see
+    ``triton_exact._document_rows``)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // q_heads
@@ -239,13 +279,23 @@ def _forward(Q, K, V, VAmax, Out, Lse,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows,
-                                   dims, 0, full_end, seq_q, seq_k, offset, scale_log2, False,
-                                   CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST)
-    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows,
-                                   dims, full_end, end, seq_q, seq_k, offset, scale_log2, True,
-                                   CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST)
+    if DOCS:
+        row_seg, row_lim = _row_segments(SegQ, LimQ, rows, seq_q)
+        lo, hi = _documents_k_range(SegQ, CuK, m0, seq_q, row_lim, BLOCK_M, CAUSAL)
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd,
+                                       rows, dims, lo, hi, seq_q, seq_k, offset, scale_log2,
+                                       True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, True,
+                                       SegK, row_seg, row_lim)
+    else:
+        full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd,
+                                       rows, dims, 0, full_end, seq_q, seq_k, offset, scale_log2,
+                                       False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False,
+                                       SegK, rows, rows)
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd,
+                                       rows, dims, full_end, end, seq_q, seq_k, offset,
+                                       scale_log2, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                       UPCAST, False, SegK, rows, rows)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (_pow2(-_fp16_exponent(VAmax + b * (q_heads // groups) + hk)) / l_safe)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i - _P_SHIFT + tl.log2(l_safe)) * _LN2)
@@ -265,7 +315,8 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
                 cols, dims, lo, hi, seq_q, seq_k, offset, scale_log2, p_shift, dp_scale,
                 delta_scale, MASKED: tl.constexpr,
                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr, SegQ, LimQ,
+                col_seg):
     for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         q = _load(q_base, rows, sqm, seq_q, dims, sqd, MASKED, HEAD_DIM, BLOCK_D)
@@ -279,8 +330,13 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
         lse2 = lse * _LOG2E - p_shift
         p_t = tl.exp2(_dot(k, tl.trans(q), UPCAST) * scale_log2 - lse2[None, :])  # [N, M], scaled
         if MASKED:
-            p_t = tl.where(_visible(rows[None, :], cols[:, None], seq_q, seq_k, offset, CAUSAL),
-                           p_t, 0.0)
+            if DOCS:
+                row_seg, row_lim = _row_segments(SegQ, LimQ, rows, seq_q)
+                seen_t = _visible_in_documents(row_seg[None, :], row_lim[None, :],
+                                               col_seg[:, None], cols[:, None], CAUSAL)
+            else:
+                seen_t = _visible(rows[None, :], cols[:, None], seq_q, seq_k, offset, CAUSAL)
+            p_t = tl.where(seen_t, p_t, 0.0)
         dv = _dot_add(p_t.to(tl.float16), do, dv, UPCAST)
         ds_t = p_t * (_dot(v, tl.trans(do), UPCAST) * dp_scale - (delta * delta_scale)[None, :])
         dk = _dot_add(ds_t.to(tl.float16), q, dk, UPCAST)
@@ -288,12 +344,13 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
 
 
 @triton.jit
-def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV,
-          sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV, SegQ, LimQ, SegK, CuQ,
+          CuK, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
           sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgn, sgd, sub, suh, sun, sud,
           kv_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
           CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+          DOCS: tl.constexpr):
     """dk, dv of one k tile, written (or with ADD added) into the fp32 DK (strides sg*) and DV
     (su*); ``Lse`` and ``Delta`` (fp32, [B, Hq, Sq]) share the strides sl*.
 
@@ -333,6 +390,14 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV,
         full_start = rows_end
     full_start = tl.minimum(full_start, rows_end)
     full_end = tl.maximum(full_start, seq_q // BLOCK_M * BLOCK_M)
+    col_seg = cols
+    if DOCS:  # only the rows of this tile's segments, every tile masked
+        col_seg = tl.load(SegK + cols, mask=cols < seq_k, other=-2)
+        last = tl.minimum(n0 + BLOCK_N, seq_k) - 1
+        first = tl.load(CuQ + tl.load(SegK + n0))
+        rows_end = tl.load(CuQ + tl.load(SegK + last) + 1)
+        full_start = rows_end
+        full_end = rows_end
     e_k = _fp16_exponent(KAmax + bh)
     e_v = _fp16_exponent(VAmax + bh)
     first_head = b * kv_heads * groups + hk * groups  # the group's first q head, as b * Hq + h
@@ -359,15 +424,15 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV,
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, first, full_start, seq_q, seq_k, offset,
                              head_log2, p_shift, dp_scale, delta_scale, True, CAUSAL, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, UPCAST)
+                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, full_start, full_end, seq_q, seq_k, offset,
                              head_log2, p_shift, dp_scale, delta_scale, False, CAUSAL, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, UPCAST)
+                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, full_end, rows_end, seq_q, seq_k, offset,
                              head_log2, p_shift, dp_scale, delta_scale, True, CAUSAL, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, UPCAST)
+                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg)
     _store(DK + b * sgb + hk * sgh, cols, sgn, seq_k, dims, sgd, dk * (_pow2(-u) * scale), ADD,
            HEAD_DIM, BLOCK_D)
     _store(DV + b * sub + hk * suh, cols, sun, seq_k, dims, sud, dv * _pow2(-e0 - _P_SHIFT), ADD,
@@ -378,27 +443,33 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV,
 def _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, lo,
               hi, seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              UPCAST: tl.constexpr):
+              UPCAST: tl.constexpr, DOCS: tl.constexpr, SegK, row_seg, row_lim):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
         v = _load(v_base, cols, svn, seq_k, dims, svd, MASKED, HEAD_DIM, BLOCK_D)
         p = tl.exp2(_dot(q, tl.trans(k), UPCAST) * scale_log2 - lse2[:, None])
         if MASKED:
-            p = tl.where(_visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL), p,
-                         0.0)
+            if DOCS:
+                col_seg = tl.load(SegK + cols, mask=cols < seq_k, other=-2)
+                seen = _visible_in_documents(row_seg[:, None], row_lim[:, None],
+                                             col_seg[None, :], cols[None, :], CAUSAL)
+            else:
+                seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
+            p = tl.where(seen, p, 0.0)
         ds = p * (_dot(do, tl.trans(v), UPCAST) * dp_scale[:, None] - delta[:, None])  # scaled
         dq = _dot_add(ds.to(tl.float16), k, dq, UPCAST)
     return dq
 
 
 @triton.jit
-def _dq(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DQ, Out,
+def _dq(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DQ, Out, SegQ, LimQ, SegK, CuQ, CuK,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
         sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgm, sgd, sob, soh, som, sod,
         q_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
         CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+        DOCS: tl.constexpr):
     """dq of one q tile, written (or with ADD added) into the fp32 DQ (strides sg*); its k tiles
     as in the forward. It runs before ``_dkdv`` and writes that kernel's D = rowsum(dO * O) of its
     rows into ``Delta``, from the fp32 merged ``Out`` (strides so*): one read of O, no separate
@@ -434,15 +505,22 @@ def _dq(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DQ, Out,
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
     lse2 = lse * _LOG2E
     scale_log2 = scale_log2 * _pow2(-e_q - e_k)
-    dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd, rows,
-                   dims, 0, full_end, seq_q, seq_k, offset, scale_log2, False, CAUSAL, BLOCK_N,
-                   HEAD_DIM, BLOCK_D, UPCAST)
-    dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd, rows,
-                   dims, full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL, BLOCK_N,
-                   HEAD_DIM, BLOCK_D, UPCAST)
+    if DOCS:
+        row_seg, row_lim = _row_segments(SegQ, LimQ, rows, seq_q)
+        lo, hi = _documents_k_range(SegQ, CuK, m0, seq_q, row_lim, BLOCK_M, CAUSAL)
+        dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd,
+                       rows, dims, lo, hi, seq_q, seq_k, offset, scale_log2, True, CAUSAL,
+                       BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, True, SegK, row_seg, row_lim)
+    else:
+        full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
+        dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd,
+                       rows, dims, 0, full_end, seq_q, seq_k, offset, scale_log2, False, CAUSAL,
+                       BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False, SegK, rows, rows)
+        dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd,
+                       rows, dims, full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL,
+                       BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False, SegK, rows, rows)
     # dq's products are 2^(e_dO + e_V - E_i + e_k) dq
     unscale = _pow2(row_exp) * (_pow2(-e_do - e_v) * _pow2(-e_k) * scale)
     _store(DQ + b * sgb + h * sgh, rows, sgm, seq_q, dims, sgd, dq * unscale[:, None], ADD,

@@ -81,24 +81,42 @@ def _offset(mask, seq_q, seq_k):
     return 0 if mask != CAUSAL_BOTTOM_RIGHT else seq_k - seq_q
 
 
+def _document_rows(segments, seq_q, seq_k, device):
+    """The kernels' view of packed documents: each q row's segment and last visible key
+    (causal: the segment's bottom-right aligned diagonal) and each key's segment (int32), and
+    the boundaries; without documents, placeholders the kernels do not read."""
+    if segments is None:
+        unused = torch.empty(1, dtype=torch.int32, device=device)
+        return (unused,) * 5
+    cu_q, cu_k = segments.cu_q.to(torch.int32), segments.cu_k.to(torch.int32)
+    rows = torch.arange(seq_q, device=device, dtype=torch.int32)
+    row_seg = (torch.searchsorted(cu_q, rows, right=True) - 1).to(torch.int32)
+    # row i of segment s sees keys j <= i + (end of s's keys) - (end of s's rows)
+    row_lim = (rows + cu_k[row_seg.long() + 1] - cu_q[row_seg.long() + 1]).to(torch.int32)
+    cols = torch.arange(seq_k, device=device, dtype=torch.int32)
+    col_seg = (torch.searchsorted(cu_k, cols, right=True) - 1).to(torch.int32)
+    return row_seg, row_lim, col_seg, cu_q, cu_k
+
+
 class TritonExact(BlockKernel):
     name = "triton_exact"
     exact = True
     masks = MASKS
+    documents = True
 
     def available(self, device, dtype, head_dim):
         return ((device.type == "cuda" or interpreting()) and dtype in _HALF
                 and 1 <= head_dim <= MAX_HEAD_DIM
                 and importlib.util.find_spec("triton") is not None)
 
-    def forward(self, q, k, v, mask, scale, tiles=None):
+    def forward(self, q, k, v, mask, scale, segments=None, tiles=None):
         """``tiles``: {"forward": Tiles} to override the tuned launch shape (the tuning bench)."""
         out = q.new_empty(q.shape, dtype=torch.float32)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        self.forward_into(out, lse, True, q, k, v, mask, scale, tiles)
+        self.forward_into(out, lse, True, q, k, v, mask, scale, segments, tiles)
         return out, lse
 
-    def forward_into(self, out, lse, fresh, q, k, v, mask, scale, tiles=None):
+    def forward_into(self, out, lse, fresh, q, k, v, mask, scale, segments=None, tiles=None):
         """The kernel writes ``out``/``lse`` (any strides) or merges into them; see BlockKernel."""
         from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
 
@@ -106,23 +124,26 @@ class TritonExact(BlockKernel):
             raise ValueError(f"mask={mask!r} is not known; valid: {list(MASKS)}")
         batch, q_heads, seq_q, head_dim = q.shape
         seq_k = k.shape[2]
-        offset = _offset(mask, seq_q, seq_k)
+        offset = 0 if segments is not None else _offset(mask, seq_q, seq_k)
+        documents = _document_rows(segments, seq_q, seq_k, q.device)
         shape = _tiles(tiles)["forward"]
         grid = (math.ceil(seq_q / shape.block_m), batch * q_heads)
         with _launching():
             [(v16, v_amax)] = _fp16_copies(v)
-            ta._forward[grid](q, k, v16, v_amax, out, lse, *q.stride(), *k.stride(),
+            ta._forward[grid](q, k, v16, v_amax, out, lse, *documents, *q.stride(), *k.stride(),
                               *v16.stride(), *out.stride(), *lse.stride(), q_heads,
                               q_heads // k.shape[1],
                               seq_q, seq_k, offset, scale * ta.LOG2E, MERGE=not fresh,
                               BLOCK_M=shape.block_m, BLOCK_N=shape.block_n,
-                              **_constants(q, mask), **_launch(shape))
+                              **_constants(q, mask, segments), **_launch(shape))
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale, tiles=None):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None, tiles=None):
         """``tiles``: {"dkdv": Tiles, "dq": Tiles} to override the tuned launch shapes."""
-        return self.backward_into((None, None, None), dout, q, k, v, out, lse, mask, scale, tiles)
+        return self.backward_into((None, None, None), dout, q, k, v, out, lse, mask, scale,
+                                  segments, tiles)
 
-    def backward_into(self, into, dout, q, k, v, out, lse, mask, scale, tiles=None):
+    def backward_into(self, into, dout, q, k, v, out, lse, mask, scale, segments=None,
+                      tiles=None):
         """The kernels store (or add) straight into the ``Into`` views; see ``BlockKernel``."""
         from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
 
@@ -132,7 +153,8 @@ class TritonExact(BlockKernel):
                 return "None" if x is None else f"Into(add={x.add})"
             raise ValueError(f"into: dk and dv go into accumulators together, with the same add; "
                              f"got dk {said(dk_into)}, dv {said(dv_into)}")
-        offset = _offset(mask, q.shape[2], k.shape[2])
+        offset = 0 if segments is not None else _offset(mask, q.shape[2], k.shape[2])
+        documents = _document_rows(segments, q.shape[2], k.shape[2], q.device)
         lse = lse.float().contiguous()
         delta = torch.empty_like(lse)  # D = rowsum(dO * O), from the fp32 merged out: _dq writes it
         dq = dq_into.view if dq_into else q.new_empty(q.shape, dtype=torch.float32)
@@ -141,7 +163,7 @@ class TritonExact(BlockKernel):
         batch, q_heads, seq_q, _ = q.shape
         kv_heads, seq_k = k.shape[1], k.shape[2]
         sizes = (q_heads // kv_heads, seq_q, seq_k, offset, scale, scale * ta.LOG2E)
-        chosen, constants = _tiles(tiles), _constants(q, mask)
+        chosen, constants = _tiles(tiles), _constants(q, mask, segments)
         shape_dkdv, shape_dq = chosen["dkdv"], chosen["dq"]
         with _launching():
             (q16, q_amax), (k16, k_amax), (v16, v_amax), (do16, do_amax) = _fp16_copies(
@@ -150,22 +172,22 @@ class TritonExact(BlockKernel):
             strides = (*q16.stride(), *k16.stride(), *v16.stride(), *do16.stride(),
                        *lse.stride())
             ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
-                *copies, dq, out, *strides, *dq.stride(), *out.stride(),
+                *copies, dq, out, *documents, *strides, *dq.stride(), *out.stride(),
                 q_heads, *sizes, ADD=bool(dq_into and dq_into.add), BLOCK_M=shape_dq.block_m,
                 BLOCK_N=shape_dq.block_n, **constants, **_launch(shape_dq))
             ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
-                *copies, dk, dv, *strides, *dk.stride(), *dv.stride(),
+                *copies, dk, dv, *documents, *strides, *dk.stride(), *dv.stride(),
                 kv_heads, *sizes, ADD=bool(dk_into and dk_into.add),
                 BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **constants,
                 **_launch(shape_dkdv))
         return unclaimed(into, (dq, dk, dv))
 
 
-def _constants(q, mask) -> dict:
+def _constants(q, mask, segments) -> dict:
     """The kernels' compile-time arguments other than the tile sizes."""
     head_dim = q.shape[3]
     return dict(CAUSAL=mask != NONE, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-                UPCAST=interpreting())
+                UPCAST=interpreting(), DOCS=segments is not None)
 
 
 def _block_d(head_dim: int) -> int:

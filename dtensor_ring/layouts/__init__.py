@@ -4,7 +4,7 @@ A layout maps rank ``r`` of ``W`` to the global positions of its ``S_local`` tok
 exchange, says which (q rows, k rows, mask) blocks rank ``r`` computes when it holds the K/V of rank
 ``src``. Each layout's file draws its block grid once.
 """
-from .base import Block, Layout
+from .base import Block, Layout, Segments
 from .contiguous import CONTIGUOUS
 from .stripe import STRIPE
 from .zigzag import ZIGZAG
@@ -18,4 +18,4 @@ def get_layout(name) -> Layout:
     return LAYOUTS[name]
 
 
-__all__ = ["Block", "Layout", "LAYOUTS", "get_layout"]
+__all__ = ["Block", "Layout", "LAYOUTS", "Segments", "get_layout"]

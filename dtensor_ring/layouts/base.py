@@ -1,24 +1,49 @@
 """The layout interface and the block description shared by all schedules."""
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
 
-@dataclass(frozen=True)
+class Segments(NamedTuple):
+    """Packed documents inside one block: segment i pairs the block's q rows
+    ``[cu_q[i], cu_q[i+1])`` with its k rows ``[cu_k[i], cu_k[i+1])`` (offsets into the block's
+    slices; int32 tensors on the compute device, the same for every batch row), and no q row
+    sees a key of another segment. The block's ``mask`` applies within each segment, aligned to
+    its bottom-right corner (flash-attn's varlen convention; square segments: top-left). A
+    segment may hold no q rows or no k rows: the layouts add such empty segments so that every
+    block covers whole row ranges, with no gathering of rows. ``max_q`` / ``max_k`` bound the
+    segments' lengths (host ints: they size the varlen kernels' grids)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True, eq=False)
 class Block:
     """One kernel call: local q rows ``q`` attend k rows ``k`` of the K/V held this step, under
     ``mask``: "none", "causal" (square, q row i sees k rows 0..i of the slice) or
-    "causal_bottom_right" (see kernels/base.py)."""
+    "causal_bottom_right" (see kernels/base.py). With packed documents, ``segments`` says which
+    rows of the block attend which (the mask then applies within each segment)."""
 
     q: slice
     k: slice
     mask: str
+    segments: Optional[Segments] = None
 
 
 class Layout:
-    """Maps local token indices to global positions; subclasses give ``positions`` and ``ring_blocks``."""
+    """Maps local token indices to global positions; subclasses give ``positions`` and
+    ``ring_blocks``, and with packed documents (``documents.Documents``) their per-document
+    forms."""
 
     name: str
+
+    def document_multiple(self, world_size: int) -> int:
+        """What every packed document's length must be a multiple of."""
+        return 1
 
     def check_local_len(self, local_len: int, arg: str = "local sequence length") -> None:
         """Raise ValueError if ``local_len`` cannot be held by one rank in this layout."""
@@ -32,16 +57,50 @@ class Layout:
                 f"as layout {self.name!r} needs")
         self.check_local_len(seq_len // world_size, f"{arg} // world_size")
 
-    def positions(self, local_len: int, rank: int, world_size: int) -> torch.Tensor:
-        """Global positions (int64, length ``local_len``) of rank ``rank``'s tokens."""
+    def positions(self, local_len: int, rank: int, world_size: int, docs=None) -> torch.Tensor:
+        """Global positions (int64, length ``local_len``) of rank ``rank``'s tokens; with
+        documents, on their device."""
+        if docs is None:
+            return self.dense_positions(local_len, rank, world_size)
+        return self.document_positions(local_len, rank, world_size, docs)
+
+    def dense_positions(self, local_len, rank, world_size) -> torch.Tensor:
+        raise NotImplementedError
+
+    def document_positions(self, local_len, rank, world_size, docs) -> torch.Tensor:
         raise NotImplementedError
 
     def ring_blocks(self, local_len: int, rank: int, src: int, world_size: int,
-                    is_causal: bool) -> list[Block]:
-        """Blocks rank ``rank`` computes holding the K/V of rank ``src``. Non-causal: all of it."""
+                    is_causal: bool, docs=None) -> list[Block]:
+        """Blocks rank ``rank`` computes holding the K/V of rank ``src``. Non-causal: all of it
+        (with documents: each document's rows against its keys)."""
+        if docs is not None:
+            return self.document_ring_blocks(local_len, rank, src, world_size, is_causal, docs)
         if not is_causal:
             return [Block(slice(0, local_len), slice(0, local_len), "none")]
         return self.causal_ring_blocks(local_len, rank, src, world_size)
 
     def causal_ring_blocks(self, local_len, rank, src, world_size) -> list[Block]:
         raise NotImplementedError
+
+    def document_ring_blocks(self, local_len, rank, src, world_size, is_causal,
+                             docs) -> list[Block]:
+        raise NotImplementedError
+
+
+def whole(local_len: int, mask: str, segments: Segments) -> Block:
+    """A block over every local row and every held key row, split by ``segments``."""
+    return Block(slice(0, local_len), slice(0, local_len), mask, segments)
+
+
+def doc_index(local_bounds: torch.Tensor, local_len: int):
+    """For each local row: its document and its index within the document's local rows."""
+    rows = torch.arange(local_len, device=local_bounds.device)
+    doc = torch.searchsorted(local_bounds, rows, right=True) - 1
+    return doc, rows - local_bounds[doc]
+
+
+def pairs(*columns: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Interleave per-document columns into segment boundaries: [c0[0], c1[0], ..., c0[1], ...,
+    last] (int32)."""
+    return torch.cat([torch.stack(columns, 1).flatten(), last.reshape(1)]).to(torch.int32)

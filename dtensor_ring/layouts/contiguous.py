@@ -9,17 +9,25 @@ Causal ring blocks, W = 4 (rows: rank holding q; columns: src of the K/V held th
     rank 3   #       #       #       \
 
 Rank 3 computes W blocks while rank 0 computes one: simple but unbalanced (see zigzag, stripe).
+
+Packed documents: the packed row is cut into W equal parts, so documents may cross ranks and need
+no particular lengths. Rank r's piece of document d is [cu[d] - rS, cu[d+1] - rS) clipped to
+[0, S); the blocks above become one varlen block each, whose segment d pairs rank r's piece of
+document d with src's piece (an empty piece: a segment with no rows or no keys).
 """
 import torch
 
-from .base import Block, Layout
+from .base import Block, Layout, Segments, whole
 
 
 class Contiguous(Layout):
     name = "contiguous"
 
-    def positions(self, local_len, rank, world_size):
+    def dense_positions(self, local_len, rank, world_size):
         return torch.arange(rank * local_len, (rank + 1) * local_len)
+
+    def document_positions(self, local_len, rank, world_size, docs):
+        return torch.arange(rank * local_len, (rank + 1) * local_len, device=docs.cu.device)
 
     def causal_ring_blocks(self, local_len, rank, src, world_size):
         everything = slice(0, local_len)
@@ -28,6 +36,18 @@ class Contiguous(Layout):
         if src < rank:
             return [Block(everything, everything, "none")]
         return []
+
+    def document_ring_blocks(self, local_len, rank, src, world_size, is_causal, docs):
+        if is_causal and src > rank:
+            return []
+
+        def pieces(holder):
+            return docs.cached(("contiguous", local_len, holder), lambda: (
+                docs.cu - holder * local_len).clamp(0, local_len).to(torch.int32))
+
+        longest = min(docs.max_len, local_len)
+        segments = Segments(pieces(rank), pieces(src), longest, longest)
+        return [whole(local_len, "causal" if is_causal and src == rank else "none", segments)]
 
 
 CONTIGUOUS = Contiguous()

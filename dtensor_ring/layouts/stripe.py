@@ -17,17 +17,35 @@ W = 2, S_local = 3; global token numbers in the cells' row/column labels:
             q 5             # # \              # # \
 
 Every rank does the same work at every step, and blocks need no half-size kernels.
+
+Packed documents: the same per document, each of length a multiple of W: rank r holds tokens
+r, r+W, ... of every document (documents in order), so document d's local rows are
+[cu[d] / W, cu[d+1] / W). src <= rank: one causal segment per document. src > rank: the shifted
+block per document, as three segments, so that the q rows and key rows stay packed:
+
+    document d's local rows [o, o')    q rows     key rows
+    segment 1                          [o, o+1)   none          (row 0 sees nothing)
+    segment 2                          [o+1, o')  [o, o'-1)     causal
+    segment 3                          none       [o'-1, o')    (the last key: no row sees it)
 """
 import torch
 
-from .base import Block, Layout
+from .base import Block, Layout, Segments, doc_index, pairs, whole
 
 
 class Stripe(Layout):
     name = "stripe"
 
-    def positions(self, local_len, rank, world_size):
+    def document_multiple(self, world_size):
+        return world_size
+
+    def dense_positions(self, local_len, rank, world_size):
         return torch.arange(local_len) * world_size + rank
+
+    def document_positions(self, local_len, rank, world_size, docs):
+        bounds = local_bounds(docs, world_size)
+        doc, j = doc_index(bounds, local_len)
+        return docs.cu.long()[doc] + j * world_size + rank
 
     def causal_ring_blocks(self, local_len, rank, src, world_size):
         if src <= rank:
@@ -35,6 +53,24 @@ class Stripe(Layout):
         if local_len == 1:
             return []
         return [Block(slice(1, local_len), slice(0, local_len - 1), "causal")]
+
+    def document_ring_blocks(self, local_len, rank, src, world_size, is_causal, docs):
+        bounds = local_bounds(docs, world_size)
+        longest = docs.max_len // world_size
+        if not is_causal or src <= rank:
+            mask = "causal" if is_causal else "none"
+            return [whole(local_len, mask, Segments(bounds, bounds, longest, longest))]
+        starts, stops = bounds[:-1], bounds[1:]
+        cu_q, cu_k = docs.cached(("stripe_shifted", world_size), lambda: (
+            pairs(starts, starts + 1, stops, last=bounds[-1]),
+            pairs(starts, starts, stops - 1, last=bounds[-1])))
+        return [whole(local_len, "causal", Segments(cu_q, cu_k, longest, longest))]
+
+
+def local_bounds(docs, world_size):
+    """Each document's local rows on every rank (stripe and zigzag): [cu / W] (int32)."""
+    return docs.cached(("local_bounds", world_size), lambda: torch.div(
+        docs.cu, world_size, rounding_mode="floor").to(torch.int32))
 
 
 STRIPE = Stripe()

@@ -18,14 +18,30 @@ W = 2, chunks 0..3; rank 0 holds [0 3], rank 1 holds [1 2]:
             q 2     #  . | #  \
 
 Every off-diagonal step is one full block of S x S/2 (or S/2 x S) tokens: the same work on every rank.
+
+Packed documents: the same per document (TransformerEngine's convention): each document, of a
+length that is a multiple of 2W, is cut into 2W chunks of c = length / 2W, and rank r holds chunks
+r and 2W-1-r of every document, documents in order, so document d's local rows are
+[o, o') = [cu[d] / W, cu[d+1] / W), its a part [o, o+c) and its b part [o+c, o'). Each step is
+one varlen block over all local rows; its per-document blocks are the ones above, as segments,
+with empty segments where a part takes no part, so that q rows and key rows stay packed:
+
+    step         segments of document d (q rows | key rows)
+    src == rank  [o, o') | [o, o')  causal
+    src <  rank  [o, o') | [o, o+c)  full,   then  none | [o+c, o')      (b keys: seen by no one)
+    src >  rank  [o, o+c) | none,             then  [o+c, o') | [o, o')  full
 """
 import torch
 
-from .base import Block, Layout
+from .base import Block, Layout, Segments, doc_index, pairs, whole
+from .stripe import local_bounds
 
 
 class Zigzag(Layout):
     name = "zigzag"
+
+    def document_multiple(self, world_size):
+        return 2 * world_size
 
     def check_local_len(self, local_len, arg="local sequence length"):
         if local_len < 2 or local_len % 2:
@@ -39,11 +55,19 @@ class Zigzag(Layout):
                 f"{arg}={seq_len} is not divisible by 2 * mesh size = {2 * world_size}, "
                 "as layout 'zigzag' needs")
 
-    def positions(self, local_len, rank, world_size):
+    def dense_positions(self, local_len, rank, world_size):
         half = local_len // 2
         first = torch.arange(rank * half, (rank + 1) * half)
         late = 2 * world_size - 1 - rank
         return torch.cat([first, torch.arange(late * half, (late + 1) * half)])
+
+    def document_positions(self, local_len, rank, world_size, docs):
+        bounds = local_bounds(docs, world_size)
+        doc, j = doc_index(bounds, local_len)
+        chunk = (bounds[1:] - bounds[:-1]).long()[doc] // 2
+        late = 2 * world_size - 1 - rank
+        within = torch.where(j < chunk, rank * chunk + j, late * chunk + j - chunk)
+        return docs.cu.long()[doc] + within
 
     def causal_ring_blocks(self, local_len, rank, src, world_size):
         half = local_len // 2
@@ -53,6 +77,22 @@ class Zigzag(Layout):
         if src < rank:
             return [Block(everything, first, "none")]
         return [Block(second, everything, "none")]
+
+    def document_ring_blocks(self, local_len, rank, src, world_size, is_causal, docs):
+        bounds = local_bounds(docs, world_size)
+        longest = docs.max_len // world_size  # a document's local rows; its chunks: half that
+        if not is_causal or src == rank:
+            mask = "causal" if is_causal else "none"
+            return [whole(local_len, mask, Segments(bounds, bounds, longest, longest))]
+        starts, stops = bounds[:-1], bounds[1:]
+        mids = starts + (stops - starts) // 2
+        if src < rank:
+            cu_q, cu_k = docs.cached(("zigzag_early_keys", world_size), lambda: (
+                pairs(starts, stops, last=bounds[-1]), pairs(starts, mids, last=bounds[-1])))
+            return [whole(local_len, "none", Segments(cu_q, cu_k, longest, longest // 2))]
+        cu_q, cu_k = docs.cached(("zigzag_late_rows", world_size), lambda: (
+            pairs(starts, mids, last=bounds[-1]), pairs(starts, starts, last=bounds[-1])))
+        return [whole(local_len, "none", Segments(cu_q, cu_k, longest // 2, longest))]
 
 
 ZIGZAG = Zigzag()

@@ -10,7 +10,7 @@ from ..merge import accumulate_
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):
     """Attention of ``block`` merged into ``out``/``lse`` (fp32); ``fresh``: its rows are untouched."""
     kernel.forward_into(out[:, :, block.q], lse[:, :, block.q], fresh, q[:, :, block.q],
-                        k[:, :, block.k], v[:, :, block.k], block.mask, scale)
+                        k[:, :, block.k], v[:, :, block.k], block.mask, scale, block.segments)
 
 
 def block_backward(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, scale: float,
@@ -22,7 +22,7 @@ def block_backward(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, s
     into = (dq.claim(rows), *((dk.claim(cols), dv.claim(cols)) if dk is not None else (None,) * 2))
     _, dk_block, dv_block = kernel.backward_into(
         into, dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
-        lse[:, :, rows], block.mask, scale)
+        lse[:, :, rows], block.mask, scale, block.segments)
     return None if dk is not None else (dk_block, dv_block)
 
 

@@ -18,12 +18,27 @@ empty for c = 0). Non-causal: all q rows against all K, one block.
 Backward: gather K/V again per group, compute dq (fp32, local) and dK/dV for the whole gathered
 sequence in fp32, and reduce-scatter that (fp32) back to the owners, overlapped with the next group.
 Groups: min(Hkv, W), so a gathered group is about the size of the local K/V.
+
+Packed documents (``docs``): the gathered K/V go to natural order through an index (documents
+are zigzagged one by one), and each q chunk kind is one varlen block over every local row and
+the whole gathered sequence, bottom-right causal per segment. For document d (local rows [o, o'),
+chunks of c rows; natural keys [D, D')), with e = (r + 1) c and f = (2W - r) c keys seen:
+
+    block A (chunk r, fresh):        [o, o+c) | [D, D+e)   then  none | [D+e, D')   then
+                                     [o+c, o') | none      (those rows: out 0, LSE -inf)
+    block B (chunk 2W-1-r, merged):  [o, o+c) | none   then  [o+c, o') | [D, D+f)   then
+                                     none | [D+f, D')
+
+Every row sees keys in exactly one of the two, so the merge of B into A just places B's rows.
 """
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
-from ..layouts import ZIGZAG, Block
+from ..layouts import ZIGZAG, Block, Segments
+from ..layouts.base import pairs
+from ..layouts.stripe import local_bounds
 from .base import RowSums, attend_, block_backward, fp32_empty, result_out
 
 
@@ -47,7 +62,10 @@ def _as_words(x: torch.Tensor) -> torch.Tensor:
     """
     row = x.shape[-1] * x.element_size()
     offset = x.storage_offset() * x.element_size()
-    return x.view(next(dtype for size, dtype in _WORDS if row % size == 0 and offset % size == 0))
+    # Traced (the compile pass) the copies go to inductor, which generates no code for complex
+    # dtypes (it warns and falls back): 8-byte words there.
+    words = _WORDS[1:] if is_fake(x) else _WORDS
+    return x.view(next(dtype for size, dtype in words if row % size == 0 and offset % size == 0))
 
 
 def to_natural(gathered: torch.Tensor) -> torch.Tensor:
@@ -78,13 +96,64 @@ def to_rank_major(natural: torch.Tensor, world: int) -> torch.Tensor:
     return shards.view(world, *lead, 2 * half, width).view(natural.dtype)
 
 
+def _rank_major_positions(docs, world, local_len):
+    """Natural positions of the gathered tokens, rank-major (rank 0's local tokens first)."""
+    return docs.cached(("llama3_rank_major", world, local_len), lambda: torch.cat(
+        [ZIGZAG.positions(local_len, r, world, docs) for r in range(world)]))
+
+
+def documents_to_natural(gathered: torch.Tensor, docs) -> torch.Tensor:
+    """``to_natural`` with documents: [W, ..., S_local, D] -> [..., W * S_local, D] (a view of
+    one gathering copy, tokens along dim -2)."""
+    world, local_len = gathered.shape[0], gathered.shape[-2]
+    order = docs.cached(("llama3_natural_order", world, local_len),
+                        lambda: _rank_major_positions(docs, world, local_len).argsort())
+    natural = gathered[order // local_len, ..., order % local_len, :]  # [W * S_local, ..., D]
+    return natural.movedim(0, -2)
+
+
+def documents_to_rank_major(natural: torch.Tensor, docs, world: int) -> torch.Tensor:
+    """Inverse of ``documents_to_natural``: [..., W * S_local, D] -> [W, S_local, ..., D] (one
+    copy; the receiver moves S_local back in place)."""
+    local_len = natural.shape[-2] // world
+    taken = natural.movedim(-2, 0).index_select(0, _rank_major_positions(docs, world, local_len))
+    return taken.view(world, local_len, *taken.shape[1:])
+
+
 def _kv_group(k, v, heads: slice) -> torch.Tensor:
     """K and V of a group of kv heads as one [2, B, Hg, S, D] message (one copy)."""
     return torch.stack([k[:, heads], v[:, heads]])
 
 
-def _blocks(rank, world, local_len, is_causal, kernel):
+def _document_blocks(rank, world, local_len, is_causal, docs):
+    """(block, fresh) pairs with documents; see the module docstring."""
+    rows, keys = slice(0, local_len), slice(0, world * local_len)
+    bounds, starts = local_bounds(docs, world), docs.cu
+    if not is_causal:
+        segments = Segments(bounds, starts, docs.max_len // world, docs.max_len)
+        return [(Block(rows, keys, NONE, segments), True)]
+
+    def plans():
+        o, d = bounds[:-1], starts[:-1]
+        chunk = (bounds[1:] - o) // 2
+        first = (pairs(o, o + chunk, o + chunk, last=bounds[-1]),
+                 pairs(d, d + (rank + 1) * chunk, starts[1:], last=starts[-1]))
+        second = (pairs(o, o + chunk, bounds[1:], last=bounds[-1]),
+                  pairs(d, d, d + (2 * world - rank) * chunk, last=starts[-1]))
+        return first, second
+
+    first, second = docs.cached(("llama3_blocks", rank, world), plans)
+    longest_chunk = docs.max_len // (2 * world)
+    return [(Block(rows, keys, CAUSAL_BOTTOM_RIGHT, Segments(*first, longest_chunk, docs.max_len)),
+             True),
+            (Block(rows, keys, CAUSAL_BOTTOM_RIGHT, Segments(*second, longest_chunk,
+                                                             docs.max_len)), False)]
+
+
+def _blocks(rank, world, local_len, is_causal, kernel, docs=None):
     """(block, fresh) pairs in natural-order K; see the grid above."""
+    if docs is not None:
+        return _document_blocks(rank, world, local_len, is_causal, docs)
     if not is_causal:
         return [(Block(slice(0, local_len), slice(0, world * local_len), NONE), True)]
     half, blocks = local_len // 2, []
@@ -102,34 +171,35 @@ def _blocks(rank, world, local_len, is_causal, kernel):
 class Llama3:
     name, exchange, layout = "llama3", "allgather", ZIGZAG
 
-    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel):
+    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
         out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])  # the fresh blocks cover every row
-        blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal, kernel)
         pending = comm.all_gather(_kv_group(k, v, groups[0]))
+        blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal, kernel, docs)
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
                 pending = comm.all_gather(_kv_group(k, v, groups[i + 1]))
-            k_all, v_all = to_natural(gathered)
+            k_all, v_all = _natural(gathered, docs)
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
             out_h, lse_h = out[:, q_heads], lse[:, q_heads]
             for block, fresh in blocks:
                 attend_(kernel, q[:, q_heads], k_all, v_all, block, scale, out_h, lse_h, fresh)
         return result_out(out, q, kernel), lse
 
-    def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
+    def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
+                 docs=None):
         world = comm.world_size
         dout = dout.to(q.dtype)  # exact mode's is fp32 holding 16-bit values: one cast, lossless
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
         dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
-        blocks = _blocks(comm.rank, world, q.shape[2], is_causal, kernel)
         pending_kv, pending_grad = comm.all_gather(_kv_group(k, v, groups[0])), None
+        blocks = _blocks(comm.rank, world, q.shape[2], is_causal, kernel, docs)
         for i, heads in enumerate(groups):
             gathered = pending_kv.wait()
             if i + 1 < len(groups):
                 pending_kv = comm.all_gather(_kv_group(k, v, groups[i + 1]))
-            k_all, v_all = to_natural(gathered)
+            k_all, v_all = _natural(gathered, docs)
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
             dkv_all = fp32_empty(q, (2, *k_all.shape))
             sums = [RowSums(dq[:, q_heads]), RowSums(dkv_all[0]), RowSums(dkv_all[1])]
@@ -139,8 +209,21 @@ class Llama3:
             for row_sums in sums:
                 row_sums.result()  # rows no block reached (keys no local query sees): zero
             if pending_grad is not None:
-                dkv[:, :, groups[i - 1]] = pending_grad.wait()
-            pending_grad = comm.reduce_scatter(to_rank_major(dkv_all, world))
-        dkv[:, :, groups[-1]] = pending_grad.wait()
+                dkv[:, :, groups[i - 1]] = _owned(pending_grad.wait(), docs)
+            pending_grad = comm.reduce_scatter(
+                to_rank_major(dkv_all, world) if docs is None
+                else documents_to_rank_major(dkv_all, docs, world))
+        dkv[:, :, groups[-1]] = _owned(pending_grad.wait(), docs)
         # copy=True: dk and dv must not alias (one buffer) even when no cast is needed.
         return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+
+
+def _natural(gathered, docs):
+    """The gathered [W, 2, B, Hg, S_local, D] K/V as natural-order (k, v)."""
+    return to_natural(gathered) if docs is None else documents_to_natural(gathered, docs)
+
+
+def _owned(received, docs):
+    """A reduce-scattered dK/dV share as [2, B, Hg, S_local, D] (with documents it arrives as
+    [S_local, 2, B, Hg, D]: ``documents_to_rank_major``)."""
+    return received if docs is None else received.movedim(0, -2)

@@ -28,6 +28,12 @@ The last hop carries fp32 (twice the bytes of 16-bit K/V), so the late part is t
     non-causal    early  q x k[:h]     #          late  q x k[h:]     #
 
 At home the arriving accumulator is added to the own part and rounded once to the input dtype.
+
+Packed documents (``docs``): the layout gives each step one varlen block over all rows (its
+per-document grid is drawn in its file), and the own block is split as above within each
+document: the early part is every document's rows and keys before h (causal), the late part every
+document's rows from h on against all of its keys (bottom-right causal: a document that starts
+before h keeps seeing its keys there).
 """
 import torch
 
@@ -44,6 +50,8 @@ def split_own(block: Block, masks) -> tuple[list[Block], list[Block]]:
     half = length // 2
     if half == 0:
         return [block], []
+    if block.segments is not None:
+        return _split_own_documents(block, half)
     first, second = slice(0, half), slice(half, length)
     if block.mask == CAUSAL and CAUSAL_BOTTOM_RIGHT in masks:
         return [Block(first, first, CAUSAL)], [Block(second, block.k, CAUSAL_BOTTOM_RIGHT)]
@@ -53,33 +61,49 @@ def split_own(block: Block, masks) -> tuple[list[Block], list[Block]]:
     return [Block(block.q, first, NONE)], [Block(block.q, second, NONE)]
 
 
+def _split_own_documents(block: Block, half: int) -> tuple[list[Block], list[Block]]:
+    """``split_own`` with documents (the module docstring): the segments clipped at ``half``."""
+    bounds, seg = block.segments.cu_q, block.segments
+    length = block.q.stop
+    first, second = slice(0, half), slice(half, length)
+    before, after = bounds.clamp(max=half), (bounds - half).clamp(min=0)
+    if block.mask == CAUSAL:
+        return ([Block(first, first, CAUSAL, seg._replace(cu_q=before, cu_k=before))],
+                [Block(second, block.k, CAUSAL_BOTTOM_RIGHT, seg._replace(cu_q=after))])
+    keys = seg.cu_k
+    return ([Block(block.q, first, NONE, seg._replace(cu_k=keys.clamp(max=half)))],
+            [Block(block.q, second, NONE, seg._replace(cu_k=(keys - half).clamp(min=0)))])
+
+
 class RingPass:
     exchange = "ring"
 
     def __init__(self, name: str, layout: Layout):
         self.name, self.layout = name, layout
 
-    def _blocks(self, comm, step, local_len, is_causal):
+    def _blocks(self, comm, step, local_len, is_causal, docs):
         src = (comm.rank - step) % comm.world_size
-        blocks = self.layout.ring_blocks(local_len, comm.rank, src, comm.world_size, is_causal)
+        blocks = self.layout.ring_blocks(local_len, comm.rank, src, comm.world_size, is_causal,
+                                         docs)
         # Step 0 (the rank's own K/V) is one square block over every row: it starts the forward's
         # accumulator, and the backward splits it (split_own).
         assert step or (len(blocks) == 1 and blocks[0].q == blocks[0].k == slice(0, local_len))
         return blocks
 
-    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel):
+    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
         world, local_len = comm.world_size, q.shape[2]
         out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
         kv = [k, v]
         for step in range(world):
             pending = comm.send_recv_next(kv) if step < world - 1 else None
-            for block in self._blocks(comm, step, local_len, is_causal):
+            for block in self._blocks(comm, step, local_len, is_causal, docs):
                 attend_(kernel, q, *kv, block, scale, out, lse, fresh=step == 0)
             if pending is not None:
                 kv = pending.wait()
         return result_out(out, q, kernel), lse
 
-    def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel):
+    def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
+                 docs=None):
         world, local_len = comm.world_size, q.shape[2]
         dout = dout.to(q.dtype)  # exact mode's is fp32 holding 16-bit values: one cast, lossless
         dq = RowSums(fp32_empty(q))
@@ -89,14 +113,15 @@ class RingPass:
             for block in blocks:
                 block_backward(kernel, dout, q, k, v, out, lse, block, scale, dq, dk_own, dv_own)
 
-        early, late = split_own(self._blocks(comm, 0, local_len, is_causal)[0], kernel.masks)
+        early, late = split_own(self._blocks(comm, 0, local_len, is_causal, docs)[0],
+                                kernel.masks)
         pending_kv = comm.send_recv_next([k, v]) if world > 1 else None
         own(early)
         pending_dkv = None
         for step in range(1, world):
             kv = pending_kv.wait()
             pending_kv = comm.send_recv_next(kv) if step < world - 1 else None
-            blocks = self._blocks(comm, step, local_len, is_causal)
+            blocks = self._blocks(comm, step, local_len, is_causal, docs)
             if pending_dkv is None:  # step 1 starts the travelling accumulator: kernels write it
                 dk, dv = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
                 for block in blocks:

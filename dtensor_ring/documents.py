@@ -1,0 +1,205 @@
+"""Packed documents: many documents in one row, attention only within each.
+
+``cu_seqlens = [0, l1, l1+l2, ..., S]`` (flash-attn's and TransformerEngine's convention) gives the
+document boundaries over the global sequence in natural order, the same for every batch row. Each
+layout then applies per document (``layouts/``): zigzag cuts each document into 2W chunks (rank r
+holds chunks r and 2W-1-r of every document, documents in order), stripe takes tokens r, r+W, ...
+of every document, contiguous cuts the packed row into W equal parts (documents may cross ranks).
+
+``Documents`` carries one call's boundaries to the layouts and kernels: the boundaries as an int32
+tensor on the compute device, and a host bound on the longest document, which sizes the varlen
+kernels' grids (PyTorch's flash varlen op launches ceil(max_len / tile) programs per segment, so a
+loose bound costs idle programs: measured on an H100, the backward of one zigzag step at 8K local
+tokens and 49 documents took 2.2 ms with the bound at the local length, 1.0 ms with the true one).
+
+Host synchronisation: the boundaries' values are read on the host only when ``cu_seqlens`` is a CPU
+tensor (free), or when it is on the device and no ``max_seqlen`` is given (one copy to the host, to
+validate and to find the longest document). With a device tensor and ``max_seqlen`` nothing is read
+back: the values are trusted (their dtype, shape and device are still checked).
+
+``pad_documents`` is for the data pipeline: it pads each document to the layout's multiple.
+"""
+from typing import NamedTuple
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from .validation import check_int, check_tensor
+
+IGNORE_INDEX = -100  # the label of padding tokens (PyTorch's cross_entropy ignore_index)
+
+
+class Documents:
+    """One call's documents: ``cu`` (int32, [N + 1], on the compute device) and ``max_len`` (an
+    upper bound on the longest document, host int). Layouts keep the device tensors they derive
+    per call in ``cached`` (built once, reused by every ring step and by the backward)."""
+
+    def __init__(self, cu: torch.Tensor, max_len: int):
+        self.cu, self.max_len = cu, max_len
+        self._cache: dict = {}
+
+    @property
+    def count(self) -> int:
+        return self.cu.shape[0] - 1
+
+    def cached(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
+def _host_values(cu_seqlens) -> list[int] | None:
+    """The boundaries as Python ints when that costs no device sync, else None."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type == "cpu" and not _is_traced(cu_seqlens):
+            return [int(x) for x in cu_seqlens.tolist()]
+        return None
+    return [int(x) for x in cu_seqlens]
+
+
+def _is_traced(x: torch.Tensor) -> bool:
+    """Values unknown (Dynamo or a fake tensor); Dynamo must not reach ``is_fake``."""
+    return torch.compiler.is_compiling() or is_fake(x)
+
+
+def check_boundaries(values: list[int], seq_len: int, multiple: int, layout: str,
+                     arg: str = "cu_seqlens") -> None:
+    """ValueError unless ``values`` are [0, ..., seq_len], strictly increasing, every document's
+    length a multiple of ``multiple`` (the layout's need); the error names the document."""
+    if len(values) < 2:
+        raise ValueError(f"{arg} must hold at least two boundaries [0, ..., S]; got {values}")
+    if values[0] != 0:
+        raise ValueError(f"{arg} must start at 0; got {arg}[0]={values[0]}")
+    if values[-1] != seq_len:
+        raise ValueError(f"{arg} must end at the sequence length {seq_len}; got "
+                         f"{arg}[-1]={values[-1]}")
+    for d, (start, stop) in enumerate(zip(values, values[1:])):
+        length = stop - start
+        if length <= 0:
+            raise ValueError(f"{arg} must increase: document {d} ({arg}[{d}]={start} to "
+                             f"{arg}[{d + 1}]={stop}) has length {length}")
+        if length % multiple:
+            raise ValueError(
+                f"document {d} of {arg} has length {length}, which layout {layout!r} cannot "
+                f"split: every document's length must be a multiple of {multiple}; pad the "
+                f"documents with dr.pad_documents")
+
+
+def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
+              device: torch.device) -> Documents | None:
+    """``cu_seqlens`` / ``max_seqlen`` of a public call, checked, as ``Documents`` on ``device``
+    (None without documents). ``seq_len``: the global length the boundaries must end at;
+    ``multiple``: what every document's length must be a multiple of (the layout's need)."""
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError(f"max_seqlen={max_seqlen!r} is given without cu_seqlens; pass both "
+                             "or neither")
+        return None
+    if not isinstance(cu_seqlens, (torch.Tensor, list, tuple)):
+        raise TypeError("cu_seqlens must be a 1-D integer tensor [0, l1, l1+l2, ..., S]; got "
+                        f"{type(cu_seqlens).__name__}")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D (the same boundaries for every batch row); "
+                             f"got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or (
+                cu_seqlens.dtype == torch.bool):
+            raise TypeError(f"cu_seqlens must be an integer tensor; got dtype {cu_seqlens.dtype}")
+        if cu_seqlens.device.type != "cpu" and cu_seqlens.device != device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on "
+                             f"{device}; put it on the CPU or on the inputs' device")
+        if cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must hold at least two boundaries [0, ..., S]; got "
+                             f"{cu_seqlens.shape[0]}")
+    elif not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+        raise TypeError(f"cu_seqlens as a list must hold ints; got {cu_seqlens!r}")
+    if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt):
+        check_int(max_seqlen, "max_seqlen", 1, "a positive int (the longest document's length)")
+    values = _host_values(cu_seqlens)
+    if values is None and max_seqlen is None and not _is_traced(cu_seqlens):
+        values = [int(x) for x in cu_seqlens.tolist()]  # one device sync: see the module docstring
+    if values is not None:
+        check_boundaries(values, seq_len, multiple, layout)
+        longest = max(b - a for a, b in zip(values, values[1:]))
+        if max_seqlen is not None and max_seqlen < longest:
+            raise ValueError(f"max_seqlen={max_seqlen} is below the longest document of "
+                             f"cu_seqlens ({longest} tokens)")
+        max_len = longest if max_seqlen is None else max_seqlen
+    else:
+        max_len = seq_len if max_seqlen is None else max_seqlen
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    else:
+        cu = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+    return Documents(cu, max_len)
+
+
+def within_document(positions: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """Global positions -> positions within their documents (what RoPE needs for packed input)."""
+    cu = cu.to(positions.device, torch.int64)
+    doc = torch.searchsorted(cu, positions, right=True) - 1
+    return positions - cu[doc]
+
+
+def document_multiple(schedule: str, world_size: int) -> int:
+    """What every packed document's length must be a multiple of for ``schedule`` on
+    ``world_size`` ranks: 2W (zigzag, llama3, auto), W (stripe), 1 (ring)."""
+    from .schedules import get_schedule  # noqa: PLC0415 - schedules import the layouts
+
+    check_int(world_size, "world_size", 1, "a positive int")
+    return get_schedule(schedule).layout.document_multiple(world_size)
+
+
+class PaddedDocuments(NamedTuple):
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+def pad_documents(input_ids: torch.Tensor, cu_seqlens, *, multiple: int, labels=None,
+                  pad_id: int = 0, dim: int = -1) -> PaddedDocuments:
+    """Pad every packed document to a length that is a multiple of ``multiple``.
+
+    ``multiple``: ``dr.document_multiple(schedule, world_size)`` (2W for zigzag and llama3, W for
+    stripe, 1 for ring). Each document gets ``pad_id`` tokens at its end, labels ``-100`` there
+    (ignored by the loss), and positions that continue its own (``0 .. padded length - 1``).
+    ``input_ids`` (and ``labels``) hold the packed row along ``dim`` (any leading batch dims, the
+    same boundaries for every row). Returns the padded ids, labels (None if not given), the
+    within-document positions and the new boundaries (an int32 CPU tensor).
+    """
+    check_tensor(input_ids, "input_ids")
+    check_int(multiple, "multiple", 1, "a positive int (dr.document_multiple(schedule, world))")
+    dim %= input_ids.dim()
+    seq_len = input_ids.shape[dim]
+    values = _host_values(cu_seqlens)
+    if values is None:
+        values = [int(x) for x in cu_seqlens.tolist()]
+    check_boundaries(values, seq_len, 1, "any")
+    if labels is not None:
+        check_tensor(labels, "labels")
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels has shape {tuple(labels.shape)} but input_ids has "
+                             f"{tuple(input_ids.shape)}; they must match")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    padded = [-(-n // multiple) * multiple for n in lengths]
+    device = input_ids.device
+    # Where each padded token comes from (-1: padding), built on the host: the pipeline's side.
+    source = torch.cat([torch.cat([torch.arange(start, start + n),
+                                   torch.full((p - n,), -1, dtype=torch.long)])
+                        for start, n, p in zip(values, lengths, padded)]).to(device)
+    is_pad = source < 0
+    shape = [1] * input_ids.dim()
+    shape[dim] = source.shape[0]
+
+    def take(x, fill):
+        out = x.index_select(dim, source.clamp_min(0))
+        return out.masked_fill(is_pad.view(shape), fill)
+
+    positions = torch.cat([torch.arange(p) for p in padded]).to(device)
+    new_cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    lead = list(input_ids.shape)
+    lead[dim] = positions.shape[0]
+    return PaddedDocuments(take(input_ids, pad_id),
+                           None if labels is None else take(labels, IGNORE_INDEX),
+                           positions.view(shape).expand(lead), new_cu)
