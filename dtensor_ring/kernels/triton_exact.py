@@ -69,10 +69,6 @@ def _launch(tiles: Tiles) -> dict:
     return {} if interpreting() else dict(num_warps=tiles.warps, num_stages=tiles.stages)
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _offset(mask, seq_q, seq_k):
     if mask == CAUSAL and seq_q != seq_k:
         raise ValueError(f"mask='causal' needs a square block; got seq_q={seq_q}, seq_k={seq_k}")
@@ -169,7 +165,9 @@ def _constants(q, mask) -> dict:
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton_next_pow2(head_dim))
+    import triton  # noqa: PLC0415 - triton is optional
+
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 # Rows per program of the fp16 copy: a bandwidth-bound pass, so tiles of 64 rows keep every SM busy.
