@@ -6,8 +6,7 @@ PyTorch's flash op is flash-attn v2 inside: its ``is_causal`` is bottom-right al
 top-left for square blocks, so it offers both causal masks; cuDNN's is top-left only.
 
 Strided inputs: the schedules pass row slices of [B, H, S, D] tensors (zigzag's half blocks).
-Measured on an H200 (torch 2.11, cuDNN 9.19; bench/kernel_probe.py, results in
-bench/results/2026-11-23_speed_opt_h200_w2/): cuDNN's forward and backward and flash's forward
+Measured on an H200 (torch 2.11, cuDNN 9.19): cuDNN's forward and backward and flash's forward
 give the same results on the views as on contiguous copies, so they get the views (a copy was
 40-54 us per tensor at 8K tokens); flash's backward gives wrong gradients on row-sliced
 q/dout/out/lse views, so it gets contiguous copies (``backward_takes_views``).

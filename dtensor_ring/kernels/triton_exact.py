@@ -47,7 +47,7 @@ class Tiles(NamedTuple):
 
 
 # The fastest swept tiles on an H200 for d = 128, bf16, on zigzag's blocks at 16K tokens per GPU
-# (bench/triton_tune.py; bench/results/2026-11-23_triton_tune_h200/): the backward takes 11-17%
+# (bench/triton_tune.py, docs/results.md): the backward takes 11-17%
 # less time than with the first, untuned tiles (dK/dV 32 x 64, dq 64 x 32, 4 warps, 2 stages).
 TUNED = dict(forward=Tiles(128, 128, 8, 3), dkdv=Tiles(64, 128, 8, 3), dq=Tiles(128, 64, 8, 3))
 # Under TRITON_INTERPRET=1 (CPU tests): small tiles, so short blocks still have several of them.
