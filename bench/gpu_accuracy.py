@@ -5,12 +5,11 @@
 For each block kernel (cudnn and flash in fp32 mode, triton_exact in exact mode; ``--backends``
 picks some) and schedule: rel-RMS and max-abs error of out, dq, dk, dv over the whole sequence
 against a float64 reference on the same bf16 inputs (as the numerics report: the rounding of the
-inputs, common to every kernel, is not in the errors; before 2026-11-23 it was, which pulled the
-ratios towards 1 and left max-abs ratios to chance),
-each as a ratio to a single-GPU SDPA kernel on the whole sequence (the same kernel for cudnn/flash;
-cuDNN, the fastest, for exact mode), 1.00 = splitting added no error; and forward / forward+backward
-time (CUDA events, median of --iters after warm-up, max over ranks), with that single-GPU kernel's
-time / W as the ideal.
+inputs, common to every kernel, is not in the errors: it would pull the ratios towards 1 and
+leave max-abs ratios to chance), each as a ratio to a single-GPU SDPA kernel on the whole
+sequence (the same kernel for cudnn/flash; cuDNN, the fastest, for exact mode), 1.00 = splitting
+added no error; and forward / forward+backward time (CUDA events, median of --iters after
+warm-up, max over ranks), with that single-GPU kernel's time / W as the ideal.
 """
 import argparse
 import json

@@ -67,7 +67,7 @@ def rule_accuracy(mesh, args, device, rows):
     shapes = [(1, args.heads, args.seq, args.head_dim), (1, args.kv_heads, args.seq, args.head_dim),
               (1, args.kv_heads, args.seq, args.head_dim), (1, args.heads, args.seq, args.head_dim)]
     # Rounded to bf16 first: the reference then has the inputs every kernel sees, and input
-    # rounding (before 2026-11-25 in the reference's difference) is in no kernel's error.
+    # rounding is in no kernel's error.
     q, k, v, dout = (torch.randn(s, generator=gen, dtype=torch.float64).bfloat16().double()
                      .to(device) for s in shapes)
     reference = fwd_bwd(whole_sdpa, q, k, v, dout, torch.float64)
@@ -146,9 +146,9 @@ def model_parity(mesh, args, device, rows):
         rows.append(row)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="dtensor_parity.json")
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="dtensor_parity.json", help="JSON results")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=8)
@@ -156,7 +156,11 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--model-seq", type=int, default=4096)
     parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     if args.small:
         args.seq, args.heads, args.kv_heads, args.head_dim, args.model_seq = 256, 4, 2, 64, 64
     if args.device == "cuda":

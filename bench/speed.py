@@ -1,8 +1,8 @@
-"""Side-by-side speed of attention over a sequence split across W GPUs (issue 5), on the same inputs.
+"""Side-by-side speed of attention over a sequence split across W GPUs, on the same inputs.
 
     torchrun --nproc-per-node=2 bench/speed.py --tokens-per-gpu 2048,4096,8192,16384,32768 \\
         --heads 32 --kv-heads 32,8 --out speed.json --plot speed.png
-    python bench/speed.py --plot-only speed.json --plot speed.png       # the plot again, no GPU
+    python bench/speed_plot.py speed.json --out speed.png                # table and plot again
     torchrun --nproc-per-node=2 bench/speed.py --device cpu --tokens-per-gpu 64 --heads 4 \\
         --kv-heads 4,2 --head-dim 16 --iters 2 --warmup 1 --out smoke.json   # gloo smoke run
 
@@ -21,8 +21,8 @@ Columns: forward and forward+backward time (CUDA events, --warmup, median of --i
 fraction of the ideal, the memory the call adds on top of its inputs at its peak
 (``max_memory_allocated`` - allocated before, reset per method, max over ranks; for the ideal rows
 on one GPU over the whole sequence), and the rel-RMS error of out/dq/dk/dv against a float64
-reference of the whole attention, as a ratio to single-GPU cuDNN's own rel-RMS (DESIGN.md's
-figure of merit), for global lengths up to --accuracy-max-seq (the reference is O(S^2) per head).
+reference of the whole attention, as a ratio to single-GPU cuDNN's own rel-RMS (1.00 = splitting
+added no error), for global lengths up to --accuracy-max-seq (the reference is O(S^2) per head).
 
 Robustness: a method that raises (OOM, unsupported) gets an error string in its row and the run goes
 on; each rank's failure flag is all-reduced so every rank takes the same branch. The JSON is
@@ -97,7 +97,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON results (rewritten after every row)")
     p.add_argument("--plot", help="PNG: fraction of the ideal vs tokens per GPU")
-    p.add_argument("--plot-only", metavar="JSON", help="only plot an earlier run's JSON")
     p.add_argument("--profile", metavar="FILE", help="profile --profile-methods' fwd+bwd first")
     p.add_argument("--profile-methods", type=profile_methods, default="zigzag_fp32",
                    help="comma-separated <schedule>_<precision> names to profile")
@@ -697,14 +696,6 @@ def kernel_summary(trace_path, iters):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.plot_only:
-        from speed_plot import plot  # noqa: PLC0415
-        with open(args.plot_only) as f:
-            data = json.load(f)
-        print_table(data["meta"], data["rows"])
-        if args.plot:
-            print("plot:", args.plot if plot(data, args.plot) else "matplotlib missing")
-        return
     device = args.device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -735,7 +726,7 @@ def main(argv=None):
             try:
                 from speed_plot import plot  # noqa: PLC0415
                 print("plot:", args.plot if plot({"meta": info, "rows": rows}, args.plot)
-                      else "matplotlib missing: python bench/speed.py --plot-only JSON --plot PNG")
+                      else "matplotlib missing: python bench/speed_plot.py JSON --out PNG")
             except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
                 print("plot failed:", describe(exc))
     dist.destroy_process_group()

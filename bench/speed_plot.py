@@ -1,8 +1,13 @@
-"""The speed benchmark's PNG (bench/speed.py): fraction of the single-GPU cuDNN ideal vs tokens per
-GPU, one line per method, forward and forward+backward panels, one row of panels per kv-heads
-setting (causal configs; a non-causal config shows as hollow markers). matplotlib is optional:
-``plot`` returns False without it, and ``python bench/speed.py --plot-only JSON --plot PNG`` makes
-the picture later from the JSON on any machine."""
+"""The speed benchmark's table and PNG again, from its JSON, on any machine (no GPU):
+
+    python bench/speed_plot.py speed.json --out speed.png
+
+The PNG (also written by ``bench/speed.py --plot``): fraction of the single-GPU cuDNN ideal vs
+tokens per GPU, one line per method, forward and forward+backward panels, one row of panels per
+kv-heads setting (causal configs; a non-causal config shows as hollow markers). matplotlib is
+optional: ``plot`` returns False without it."""
+import argparse
+import json
 
 _COLORS = {"ring": "C0", "zigzag": "C1", "stripe": "C2", "llama3": "C3",
            "torch_cp_allgather": "C4", "torch_cp_alltoall": "C9", "ideal_flash": "0.5",
@@ -65,3 +70,21 @@ def plot(data, path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json", help="bench/speed.py's --out JSON")
+    parser.add_argument("--out", help="PNG to write (default: only print the table)")
+    args = parser.parse_args(argv)
+    from speed import print_table  # noqa: PLC0415 - speed imports this module for plot()
+
+    with open(args.json) as f:
+        data = json.load(f)
+    print_table(data["meta"], data["rows"])
+    if args.out:
+        print("plot:", args.out if plot(data, args.out) else "matplotlib missing")
+
+
+if __name__ == "__main__":
+    main()

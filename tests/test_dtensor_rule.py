@@ -277,32 +277,43 @@ def _two_d_world(mesh_1d):
 
 def _schedule_changes_after_compiling(mesh):
     """A function compiled under one registered schedule, called again after the entry changed
-    (zigzag -> stripe -> cleared: contiguous ring), follows the new entry: the graph holds the
-    schedule, so the change must drop it, and inductor's caches must not hand it out again
-    (without either, stripe's out was off by up to 1.96, in this process or, from the cache on
-    disk, in a new one)."""
+    (zigzag -> stripe -> zigzag -> cleared: contiguous ring), follows the new entry: the graph holds
+    the schedule, so the change must recompile it (zigzag's graph is reused when zigzag comes
+    back), and inductor's caches must not hand it out again (without either, stripe's out was off
+    by up to 1.96, in this process or, from the cache on disk, in a new one). A compiled function
+    that does not use the rule is not recompiled by any of it (inductor, the default backend)."""
+    from torch._dynamo.utils import counters
     from dtensor_ring.passes import RingExpandPass
 
     q, k, v, _ = (x.float() for x in make_inputs(1, 4, 4, 64, 16, seed=0))
     reference = sdpa(True)(q, k, v)
+    unrelated = torch.compile(lambda x: torch.sin(x) * 2)
+    unrelated(q)
     attend = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True))
     cache_keys = set()  # the ring pass's uuid, in inductor's cache keys (in memory and on disk)
+    compiled = []  # frames Dynamo compiled for each call of attend
     try:
-        for schedule in ("zigzag", "stripe", None):
+        for schedule in ("zigzag", "stripe", "zigzag", None):
             if schedule is None:
                 drt.clear_sequence_schedule(mesh)
             else:
                 drt.set_sequence_schedule(mesh, schedule)
             cache_keys.add(RingExpandPass().uuid())
+            frames = counters["frames"]["ok"]
             out = attend(*(drt.distribute_sequence(x, mesh) for x in (q, k, v)))
+            compiled.append(counters["frames"]["ok"] - frames)
             error = (drt.sequence_full_tensor(out).double() - reference).abs().max().item()
             assert error < 1e-5, f"rank {mesh.get_local_rank()} {schedule}: max error {error}"
     finally:
         drt.clear_sequence_schedule(mesh)
     assert len(cache_keys) == 3, cache_keys
+    assert compiled == [1, 1, 0, 1], compiled
+    frames = counters["frames"]["ok"]
+    unrelated(q)
+    assert counters["frames"]["ok"] == frames, "a registration recompiled an unrelated function"
 
 
-def test_changing_the_schedule_drops_graphs_compiled_under_the_old_one():
+def test_changing_the_schedule_recompiles_only_what_used_it():
     run_on_ranks(2, _schedule_changes_after_compiling)
 
 

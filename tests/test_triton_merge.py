@@ -91,8 +91,8 @@ def test_triton_merge_gives_the_same_bits_every_time_while_memory_is_busy():
     """The merge updates out and lse in place. Without a barrier between its loads and stores, a
     thread could store a row's new lse before another thread had read the old one. On an H200,
     with another stream copying 512 MiB per merge, 16 of 10000 merges of this shape (zigzag's
-    2048-row half block, 8 heads) gave different rows of out; other shapes showed it less or not
-    (bench/kernel_repeat_probe.py). Every merge is compared with the first, so a wrong first
+    2048-row half block, 8 heads) gave different rows of out; other shapes showed it less or
+    not. Every merge is compared with the first, so a wrong first
     merge fails too."""
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     out = torch.randn(1, 8, 2048, 128, generator=gen, device=DEVICE)

@@ -129,7 +129,7 @@ def _forward(plan, spec, a):
 
 def _needs_backward(*xs) -> bool:
     """Whether autograd will call the backward: an input needs a gradient and nothing traces
-    this call (the rule's eager path; traced, see the README's exact-mode limits)."""
+    this call (the rule's eager path; traced, see docs/guide.md's exact mode)."""
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 

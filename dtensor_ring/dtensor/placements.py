@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..layouts import get_layout
-from .registry import _ENTRIES, SequenceSharding, dim_key, dim_label, get_sequence_schedule
+from .registry import (_ENTRIES, SequenceSharding, dim_key, dim_label, get_sequence_schedule,
+                       guard_entries)
 
 SEQ, HEADS, BATCH, HEAD_DIM = 2, 1, 0, 3
 LAYOUT_TAG = "_dtensor_ring_layout"  # set on DTensors made by distribute_sequence
@@ -75,6 +76,7 @@ def plan_sdpa(q, k, v) -> SdpaPlan | None:
         if x.ndim != 4:
             raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim]; got shape "
                              f"{tuple(x.shape)}")
+    guard_entries()  # what follows reads the registry; under torch.compile, guard on it
     seq_dims = {name: _seq_mesh_dims(x) for name, x in named.items()}
     if not any(seq_dims.values()):
         _check_registered_dims(named)

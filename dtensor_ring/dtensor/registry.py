@@ -19,19 +19,22 @@ its process group. An entry remembers the dimension's size: a DTensor on a same-
 another size is an error, not a silent wrong layout. One schedule per mesh dimension at a time: a
 module's backward uses the entry in force when it runs.
 
-A compiled graph holds the schedule the rule found when it was traced, and ``torch.compile``
-cannot guard on this table (the rule reads it inside DTensor's dispatch, below the code Dynamo
-traces), so a graph compiled before an entry changed would run the old schedule on shards in the
-new layout: silently wrong. Changing an entry's schedule, precision or backend (clearing one
-included) therefore resets ``torch.compile``'s caches (``torch.compiler.reset()``): the next call
-of any compiled function compiles again. Setting the entry already in force (``ContextParallel``
-does before each forward) resets nothing. The entries are also part of the key under which
-inductor caches compiled graphs (``sequence_schedules_key``, in the ring pass's uuid), so no
-cache, in memory or on disk, hands out a graph traced under other entries.
+A compiled graph holds the schedule the rule found when it was traced. The rule reads this table
+inside DTensor's dispatch, below the code Dynamo traces, so Dynamo would not guard on it by itself:
+a graph compiled before an entry changed would run the old schedule on shards in the new layout,
+silently wrong. So whenever the rule runs while Dynamo traces a frame (``guard_entries``), it adds
+a guard on ``STATE``, the text of every entry in force, to that frame's compiled code: after a
+change, that frame compiles again (and a frame compiled under an earlier state is reused when the
+state comes back); compiled functions that do not run SDPA on DTensors have no such guard and are
+not recompiled. ``STATE`` is also part of the key under which inductor caches compiled graphs (in
+the ring pass's uuid), so no cache, in memory or on disk, hands out a graph traced under other
+entries.
 """
 from dataclasses import dataclass
 
-import torch
+from torch._dynamo.guards import GuardBuilder, install_guard
+from torch._dynamo.source import AttrSource, ImportSource
+from torch._guards import TracingContext
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..schedules import get_schedule
@@ -55,6 +58,7 @@ class SequenceSharding:
 
 
 _ENTRIES: dict[tuple, SequenceSharding] = {}
+STATE = "[]"  # repr of the entries in force (sorted); compiled code that used them guards on it
 
 
 def mesh_dim_index(mesh: DeviceMesh, mesh_dim, arg: str = "mesh_dim") -> int:
@@ -112,23 +116,31 @@ def clear_sequence_schedule(mesh: DeviceMesh, *, mesh_dim=None) -> None:
 
 def sequence_schedules_key() -> str:
     """Every entry in force, as text: part of the compile caches' keys (``passes/``)."""
-    return repr(sorted(_ENTRIES.items()))
+    return STATE
 
 
 def _replace(key: tuple, entry: "SequenceSharding | None") -> None:
-    """Put ``entry`` (None: the default) in force for ``key``; if that changes what SDPA runs,
-    drop every compiled graph (see the module docstring)."""
-    default = SequenceSharding()
-    before, after = _ENTRIES.get(key, default), entry or default
+    """Put ``entry`` (None: the default) in force for ``key``."""
+    global STATE
+    if _ENTRIES.get(key) == entry:  # e.g. ContextParallel before each forward, maybe traced
+        return
     if entry is None:
         _ENTRIES.pop(key, None)
     else:
         _ENTRIES[key] = entry
-    runs = (before.schedule, before.precision, before.backend)
-    # Not while Dynamo traces (a compiled ContextParallel hook, which sets the entry in force).
-    if runs != (after.schedule, after.precision, after.backend) and (
-            not torch.compiler.is_compiling()):
-        torch.compiler.reset()
+    STATE = repr(sorted(_ENTRIES.items()))
+
+
+def guard_entries() -> None:
+    """If Dynamo is tracing a frame, make that frame's compiled code valid only while ``STATE`` is
+    what it is now (see the module docstring); eagerly, nothing. The rule calls this where it
+    reads the table, inside DTensor's dispatch, which Dynamo runs but does not trace."""
+    if TracingContext.try_get() is None:
+        return
+    # ``__import__('dtensor_ring')`` is what the guard evaluates, so the path starts at the top.
+    source = AttrSource(AttrSource(AttrSource(ImportSource("dtensor_ring"), "dtensor"),
+                                   "registry"), "STATE")
+    install_guard(source.make_guard(GuardBuilder.EQUALS_MATCH))
 
 
 def get_sequence_schedule(mesh: DeviceMesh, mesh_dim=None) -> SequenceSharding:

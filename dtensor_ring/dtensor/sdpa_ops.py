@@ -14,6 +14,7 @@ empty replicated tensors.
 from dataclasses import dataclass
 
 import torch
+from torch.fx.operator_schemas import normalize_function
 
 aten = torch.ops.aten
 
@@ -54,14 +55,7 @@ SDPA_OPS = {**FORWARD_OPS, **BACKWARD_OPS}
 
 def bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict:
     """The op's arguments by schema name, defaults filled in."""
-    bound = {}
-    for i, argument in enumerate(op._schema.arguments):
-        if i < len(args) and not argument.kwarg_only:
-            bound[argument.name] = args[i]
-        elif argument.name in kwargs:
-            bound[argument.name] = kwargs[argument.name]
-        elif argument.has_default_value():
-            bound[argument.name] = argument.default_value
-        else:
-            bound[argument.name] = None
-    return bound
+    bound = normalize_function(op, args, kwargs, normalize_to_only_use_kwargs=True)
+    if bound is None:
+        raise TypeError(f"the arguments do not match {op}'s schema {op._schema}")
+    return dict(bound.kwargs)

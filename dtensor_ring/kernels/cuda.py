@@ -12,8 +12,7 @@ boundaries) is not used: on an H100 (torch 2.11, cuDNN 9.19) it took 50-70 ms pe
 flash's took 0.2-0.4 ms, and gave wrong rows for causal segments of unequal lengths.
 
 Strided inputs: the schedules pass row slices of [B, H, S, D] tensors (zigzag's half blocks).
-Measured on an H200 (torch 2.11, cuDNN 9.19; bench/kernel_probe.py, results in
-bench/results/2026-11-23_speed_opt_h200_w2/): cuDNN's forward and backward and flash's forward
+Measured on an H200 (torch 2.11, cuDNN 9.19): cuDNN's forward and backward and flash's forward
 give the same results on the views as on contiguous copies, so they get the views (a copy was
 40-54 us per tensor at 8K tokens); flash's backward gives wrong gradients on row-sliced
 q/dout/out/lse views, so it gets contiguous copies (``backward_takes_views``).

@@ -362,8 +362,7 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV, SegQ, Li
 
     dq has its own kernel, which recomputes S and dP (7 products per tile pair instead of 5).
     Adding dq here instead was measured no faster on an H200, by per-element fp32 atomics (14.6
-    vs 14.1 ms at 16K x 16K causal, 32 heads; bench/results/2026-11-23_triton_tune_h200/) and by
-    TMA reduce-add (14.4-15.2 vs 13.8-14.8 ms; bench/results/2026-11-23_dq_tma_reduce_h200/),
+    vs 14.1 ms at 16K x 16K causal, 32 heads) and by TMA reduce-add (14.4-15.2 vs 13.8-14.8 ms),
     and its sums would change from run to run.
 
     q tiles:  first ...... full_start ...... seq_q      (this k tile's view)

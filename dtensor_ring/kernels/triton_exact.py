@@ -47,7 +47,7 @@ class Tiles(NamedTuple):
 
 
 # The fastest swept tiles on an H200 for d = 128, bf16, on zigzag's blocks at 16K tokens per GPU
-# (bench/triton_tune.py; bench/results/2026-11-23_triton_tune_h200/): the backward takes 11-17%
+# (bench/triton_tune.py, docs/results.md): the backward takes 11-17%
 # less time than with the first, untuned tiles (dK/dV 32 x 64, dq 64 x 32, 4 warps, 2 stages).
 TUNED = dict(forward=Tiles(128, 128, 8, 3), dkdv=Tiles(64, 128, 8, 3), dq=Tiles(128, 64, 8, 3))
 # Under TRITON_INTERPRET=1 (CPU tests): small tiles, so short blocks still have several of them.
@@ -67,10 +67,6 @@ def _tiles(overrides):
 
 def _launch(tiles: Tiles) -> dict:
     return {} if interpreting() else dict(num_warps=tiles.warps, num_stages=tiles.stages)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _offset(mask, seq_q, seq_k):
@@ -191,7 +187,9 @@ def _constants(q, mask, segments) -> dict:
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton_next_pow2(head_dim))
+    import triton  # noqa: PLC0415 - triton is optional
+
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 # Rows per program of the fp16 copy: a bandwidth-bound pass, so tiles of 64 rows keep every SM busy.

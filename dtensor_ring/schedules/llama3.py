@@ -58,7 +58,7 @@ def _as_words(x: torch.Tensor) -> torch.Tensor:
 
     The reorders below are strided copies of whole rows; in 16-byte words they move 8x fewer
     elements than in bf16, and ran 2-4x faster on an H200 than the cat + flip + reshape they
-    replace (bench/results/2026-11-23_llama3_copies_h200/).
+    replace.
     """
     row = x.shape[-1] * x.element_size()
     offset = x.storage_offset() * x.element_size()
