@@ -1,12 +1,12 @@
-"""``ReplayComm``: one rank of a W-rank ring on its own, its communication replaced by ready buffers.
+"""``ReplayComm``: one rank of a W-rank ring on its own, communication replaced by ready buffers.
 
-A ``Communicator`` (``comm.py``) whose operations hand back, at once, buffers of the shapes and dtypes
-the peers would have sent: ``send_recv_next`` one like each tensor sent, ``all_gather``
+A ``Communicator`` (``comm.py``) whose operations hand back, at once, buffers of the shapes and
+dtypes the peers would have sent: ``send_recv_next`` one like each tensor sent, ``all_gather``
 [W, *shape], ``reduce_scatter`` ``shape[1:]``. Nothing is transferred or copied and what is sent is
 ignored, so a schedule run through it does exactly one rank's own work (block kernels, merges,
 accumulations, copies, host work) and none of the communication. ``bench/per_rank.py`` times that
-against the single-GPU ideal (DESIGN.md, "How we measure"); the same makes a ring capturable in a
-CUDA graph on one GPU.
+against the single-GPU ideal (DESIGN.md, "How we measure"), and with nothing to transfer a
+schedule can be captured in a CUDA graph on one GPU (``bench/per_rank.py --capture``).
 
 Buffers: the n-th operation after ``rewind()`` gets the n-th set, allocated at its first use and
 filled once with N(0, 1) values (seeded by ``seed``, the rank and the operation), then handed back
