@@ -114,5 +114,6 @@ def graph_measure(call, args, outputs):
             out[key] = graph_one(lambda: call(backward), outputs[backward], args)
         except Exception as exc:  # noqa: BLE001 - what breaks capture is the finding
             out[key] = failure(exc)
-            recover()
+        if "error" in out[key]:
+            recover()  # outside the except block: the traceback's tensors are free
     return out

@@ -334,9 +334,13 @@ def _cuda(device):
     return torch.device(device).type == "cuda"
 
 
-def clean(device):
-    if _cuda(device):
+def clean(device, collect=False):
+    """The previous measurement's memory back to the GPU. ``collect``: a garbage collection first
+    (after an error: its traceback held tensors in a cycle); otherwise reference counting has
+    freed everything already, and a collection costs 0.1-0.4 s in this process."""
+    if collect:
         gc.collect()
+    if _cuda(device):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -418,6 +422,8 @@ def run_ideal(kernel_name, cfg, x, args, device):
             row["profile"] = _profiled(call, args)
     except Exception as exc:  # noqa: BLE001 - kept in the row
         row["error"] = describe(exc)
+    if row["error"] is not None:
+        clean(device, collect=True)
     return row
 
 
@@ -435,7 +441,10 @@ def run_schedule(name, cfg, x, args, device):
         try:
             m = measure(call, args, device)
         except Exception as exc:  # noqa: BLE001
-            row["error"] = f"rank {rank}: {describe(exc)}"
+            row["error"], m = f"rank {rank}: {describe(exc)}", None
+        if m is None:
+            del call, comm
+            clean(device, collect=True)  # outside the except block: the traceback is gone
             break
         per_rank.append(dict(rank=rank, **m, comm_buffers_gib=comm.buffer_bytes() / 2**30))
         del call, comm
@@ -542,8 +551,8 @@ def estimate_s(args, cfg, name, capture=False):
     fwd, fb = _model_ms(cfg, name)
     ranks = 1 if name == "ideal" else len(_ranks_of(args, cfg))
     runs = args.warmup + args.iters
-    if capture:
-        return ranks * (0.5 + (4 + 2 * args.warmup + args.iters) * (fwd + fb) / 1e3)
+    if capture:  # per rank 2 captures (each with torch.cuda.graph's own gc.collect)
+        return ranks * (0.8 + (4 + 2 * args.warmup + args.iters) * (fwd + fb) / 1e3)
     seconds = 0.5 + ranks * (0.1 + (1 + runs) * (fwd + fb) / 1e3 + fb / 1e3)
     if args.profile:
         seconds += 1.0 + (1 + args.profile_iters) * fb / 1e3
@@ -684,7 +693,7 @@ def sweep(args, info, clock):
                 clock.advance(estimate_s(args, cfg, name) + clock.compile_s(name))
                 add(cfg, cfg_rows, row)
         del x
-        clean(device)
+        clean(device, collect=True)
     return rows
 
 
@@ -716,12 +725,13 @@ def capture_pass(args, info, rows, clock):
                     row["graph"] = graph_row(row, cfg, x, args, device)
             except Exception as exc:  # noqa: BLE001
                 row["graph"] = failure(exc)
+            if "error" in row["graph"]:
                 recover()
             print(f"[{clock.status()}] graph {fmt_graph(row)}", flush=True)
             if args.out:
                 write_json(args.out, info, rows)
         del x, x_whole
-        clean(device)
+        clean(device, collect=True)
 
 
 # ---------------------------------------------------------------------------------------------
