@@ -5,8 +5,8 @@ dtypes the peers would have sent: ``send_recv_next`` one like each tensor sent, 
 [W, *shape], ``reduce_scatter`` ``shape[1:]``. Nothing is transferred or copied and what is sent is
 ignored, so a schedule run through it does exactly one rank's own work (block kernels, merges,
 accumulations, copies, host work) and none of the communication. ``bench/per_rank.py`` times that
-against the single-GPU ideal (DESIGN.md, "How we measure"), and with nothing to transfer a
-schedule can be captured in a CUDA graph on one GPU (``bench/per_rank.py --capture``).
+against the single-GPU ideal (DESIGN.md, "How we measure"); with nothing to transfer, capturing
+a schedule in a CUDA graph needs only one GPU (``bench/per_rank.py --capture`` tries it).
 
 Buffers: the n-th operation after ``rewind()`` gets the n-th set, allocated at its first use and
 filled once with N(0, 1) values (seeded by ``seed``, the rank and the operation), then handed back
