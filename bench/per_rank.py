@@ -2,7 +2,7 @@
 
     python bench/per_rank.py --world 4 --tokens-per-gpu 2048,4096,8192 --heads 32 --kv-heads 32,8 \\
         --out per_rank.json --plot per_rank.png       # one H100/H200; ~5 min, estimate printed
-    python bench/per_rank.py ... --capture            # also CUDA-graph replays (~4 min more)
+    python bench/per_rank.py ... --capture --tokens-per-gpu 2048,4096   # + CUDA graphs, ~6 min
     python bench/per_rank.py --plot-only per_rank.json --plot per_rank.png   # table + plot, no GPU
     python bench/per_rank.py --device cpu --world 4 --tokens-per-gpu 16 --heads 4 --kv-heads 4,2 \\
         --head-dim 16 --iters 2 --warmup 1            # CPU smoke run (seconds; tests/)
@@ -42,7 +42,9 @@ are in the JSON). Ideal rows: time / W, host time and memory of the whole call.
 captured in a CUDA graph and replayed (``graph_capture.py``): the replay's time (fraction of the
 eager ideal), and its outputs against an eager call bit for bit, next to two eager calls against
 each other (cuDNN's backward is not deterministic run to run). A method that cannot be captured
-records the error and the innermost dtensor_ring file:line.
+records the error and the innermost dtensor_ring file:line. This pass runs the smallest sizes
+first (the issue's capture targets are at 2K and 4K tokens per GPU); at the default sizes it adds
+~5 min, so with --capture the default --budget-s cuts the largest captures.
 
 Robustness: a failing method (OOM, unsupported) gets its error in the row and the run goes on; the
 JSON is rewritten after every row; --budget-s skips what is left after that many seconds (the
@@ -698,9 +700,10 @@ def sweep(args, info, clock):
 
 
 def capture_pass(args, info, rows, clock):
-    """--capture: each eager row's method again, captured in a CUDA graph (``graph_row``)."""
+    """--capture: each eager row's method again, captured in a CUDA graph (``graph_row``);
+    smallest sizes first."""
     device = args.device
-    for cfg in configs(args):
+    for cfg in reversed(configs(args)):
         mine = [r for r in rows if all(r.get(k) == v for k, v in cfg.label().items())]
         x = x_whole = None
         for row in mine:

@@ -10,14 +10,17 @@ import kernel_kinds  # noqa: E402
 
 NAMES = {
     "attention": [
-        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_"
+        "kernel0_0",
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<"
-        "128, 64, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t>, true, false>(Flash_bwd_params)",
+        "128, 64, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t>, true, false>"
+        "(Flash_bwd_params)",
         "fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "_forward", "_dq", "_dkdv"],
     "merge/accumulation": [
         "_merge", "_accumulate",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
-        "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)"],
+        "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, "
+        "std::array<char*, 3ul>)"],
     "copies": [
         "_to_fp16",
         "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::"

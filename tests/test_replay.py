@@ -1,4 +1,4 @@
-"""``ReplayComm`` (dtensor_ring/replay.py): one rank of a ring with its communication replaced by ready
+"""``ReplayComm`` (dtensor_ring/replay.py): one rank of a ring, its communication replaced by ready
 buffers. The buffers have the shapes and dtypes a peer would send, hold N(0, 1) values, and are
 allocated once: a second iteration after ``rewind()`` reuses every one and, since no schedule reads
 a buffer after writing into it, gives the same results bit for bit."""
