@@ -54,6 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
 from dtensor_ring.numerics import NAMES, errors, fwd_bwd
+from report import describe, versions, write_json
 from timing import local_median_ms
 
 # The real SDPA, taken before anything can patch it: PyTorch's context_parallel replaces
@@ -398,11 +399,6 @@ class Runner:
         return row
 
 
-def describe(exc):
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first[:300]}"
-
-
 # ---------------------------------------------------------------------------------------------
 # The sweep
 
@@ -422,24 +418,12 @@ def configs(args):
 def meta(args, world):
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv), "world_size": world, "device": args.device,
-            "torch": torch.__version__, "heads": args.heads, "head_dim": args.head_dim,
+            "heads": args.heads, "head_dim": args.head_dim,
             "batch": args.batch, "dtype": "bfloat16", "iters": args.iters,
             "warmup": args.warmup, "fp32_backend": args.fp32_backend,
             "torch_cp_kernel": args.torch_cp_kernel, "accuracy_max_seq": args.accuracy_max_seq,
             "nccl_high_priority": args.nccl_high_priority}
-    try:
-        import triton  # noqa: PLC0415 - optional
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if args.device == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(), cudnn=torch.backends.cudnn.version(),
-                    cuda=torch.version.cuda)
-        try:
-            nccl = torch.cuda.nccl.version()
-            info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-        except Exception:  # noqa: BLE001 - a version string is not worth a failed run
-            info["nccl"] = None
+    info.update(versions(args.device))
     return info
 
 
@@ -451,13 +435,6 @@ def use_triton_tiles(path):
         best = json.load(f)["meta"]["best"]
     TUNED.update({part: Tiles(**tiles) for part, tiles in best.items()})
     return best
-
-
-def write_json(path, info, rows):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"meta": info, "rows": rows}, f, indent=1)
-    os.replace(tmp, path)
 
 
 def sweep(args, mesh, device, info):

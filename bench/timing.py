@@ -16,19 +16,37 @@ def median_ms(fn, warmup, iters):
 def local_median_ms(fn, warmup, iters, device="cuda"):
     """Median time of ``fn()`` in ms over ``iters`` runs after ``warmup`` on this rank only (no
     collective, so a caller can agree on failures first); CUDA events, or a host clock on CPU."""
+    return statistics.median(run_times(fn, warmup, iters, device)[0])
+
+
+def run_times(fn, warmup, iters, device="cuda"):
+    """(times, host times) in ms of each of ``iters`` runs of ``fn()`` after ``warmup`` runs.
+
+    On CUDA a run is timed by CUDA events recorded before and after it, with a synchronization
+    after each run (and one after the warm-up), so a run starts on an idle GPU and its time
+    includes any wait of the GPU for the host; its host time is the wall time until ``fn()``
+    returns, before that synchronization: how long the host takes to enqueue the run. On CPU
+    both are the host clock's time of the run.
+    """
     for _ in range(warmup):
         fn()
-    times = []
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    times, host = [], []
     for _ in range(iters):
-        if device == "cpu":
+        if not cuda:
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
+            host.append(times[-1])
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        began = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - began) * 1e3)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times, host

@@ -1,0 +1,37 @@
+"""What the benchmarks' JSON shares: versions and hardware, an exception in one line, the file
+rewritten atomically (so a run stopped midway leaves the rows it measured)."""
+import json
+import os
+
+import torch
+
+
+def versions(device):
+    """torch, Triton and, on CUDA, the GPU, cuDNN, CUDA and NCCL versions."""
+    info = {"torch": torch.__version__}
+    try:
+        import triton  # noqa: PLC0415 - optional
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.device(device).type == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), cudnn=torch.backends.cudnn.version(),
+                    cuda=torch.version.cuda)
+        try:
+            nccl = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        except Exception:  # noqa: BLE001 - a version string is not worth a failed run
+            info["nccl"] = None
+    return info
+
+
+def describe(exc):
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+def write_json(path, info, rows):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"meta": info, "rows": rows}, f, indent=1)
+    os.replace(tmp, path)
