@@ -65,7 +65,7 @@ def _rank_blocks(schedule: str, rank: int, seq_len: int, world: int):
     for step in range(world):
         src = (rank - step) % world  # ring_pass.py: at step t rank r holds rank (r - t)'s K/V
         k_pos = sched.layout.positions(local, src, world).tolist()
-        out += [(step, block, k_pos) for block in sched._blocks(comm, step, local, True)]
+        out += [(step, block, k_pos) for block in sched._blocks(comm, step, local, True, None)]
     return out
 
 

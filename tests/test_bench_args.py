@@ -1,5 +1,5 @@
-"""The benchmarks' command lines: every script in bench/ (but the timing helpers) answers --help,
-and a bad --profile-methods name (bench/speed.py), --backends name (bench/gpu_accuracy.py) or
+"""The benchmarks' command lines: every script in bench/ (but the helpers they import) answers
+--help, and a bad --profile-methods name (bench/speed.py), --backends name (bench/gpu_accuracy.py) or
 --parts name (bench/triton_tune.py) stops the run before any rank or sweep starts, naming the
 argument, the value and the valid names."""
 import importlib
@@ -14,7 +14,8 @@ import gpu_accuracy  # noqa: E402
 import speed  # noqa: E402
 import triton_tune  # noqa: E402
 
-HELPERS = {"timing"}  # imported by the benchmarks, not run
+# imported by the benchmarks, not run
+HELPERS = {"timing", "report", "kernel_kinds", "graph_capture", "per_rank_plot"}
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in HELPERS))
