@@ -77,7 +77,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import BACKENDS, get_kernel  # noqa: E402
+from dtensor_ring.documents import Documents  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE, repeat_kv  # noqa: E402
+from dtensor_ring.layouts import Segments  # noqa: E402
 from dtensor_ring.replay import ReplayComm  # noqa: E402
 from graph_capture import failure, graph_measure, recover  # noqa: E402
 from kernel_kinds import breakdown  # noqa: E402
@@ -88,6 +90,14 @@ SCHEDULES = ("ring", "zigzag", "stripe", "llama3")
 PRECISIONS = ("fp32", "exact")
 METHODS = ("ideal", *(f"{s}_{p}" for s in SCHEDULES for p in PRECISIONS))
 IDEAL_KERNELS = {"cuda": ("cudnn", "flash"), "cpu": ("cpu_flash",)}
+# With packed documents: the kernels with a varlen form (cuDNN's ragged op is no contender:
+# 50-70 ms a call on an H100, kernels/cuda.py).
+DOCUMENT_IDEAL_KERNELS = {"cuda": ("flash",), "cpu": ("cpu_flash",)}
+
+
+def ideal_kernels(args, device):
+    table = DOCUMENT_IDEAL_KERNELS if args.documents else IDEAL_KERNELS
+    return table[torch.device(device).type]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MARK = "per_rank."  # record_function prefix of the profiled phases: per_rank.fwd, per_rank.bwd
 OUTPUTS = {False: ("out", "lse"), True: ("out", "lse", "dq", "dk", "dv")}  # call(backward) returns
@@ -157,6 +167,11 @@ def build_parser():
                    help="non-causal attention (default: causal)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
                    help="dtype of q, k, v (default %(default)s)")
+    p.add_argument("--documents", action="store_true",
+                   help="packed documents: each config's row holds a long-tailed mix (lengths "
+                        "log-uniform between 32W tokens and half the row, multiples of 32W; "
+                        "--seed), attention within each; the ideal is PyTorch's flash varlen "
+                        "kernel over the whole row")
     p.add_argument("--methods", type=_methods, default="all", metavar="LIST",
                    help=f"comma list of methods to run, from {','.join(METHODS)}, or 'all' "
                         "(default)")
@@ -234,16 +249,36 @@ class Config:
     batch: int
     causal: bool
     dtype: torch.dtype
+    documents: tuple | None = None  # packed documents' boundaries over the global row
 
     def label(self):
-        return dict(world=self.world, tokens_per_gpu=self.tokens, seq=self.world * self.tokens,
-                    heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                    batch=self.batch, causal=self.causal)
+        label = dict(world=self.world, tokens_per_gpu=self.tokens, seq=self.world * self.tokens,
+                     heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                     batch=self.batch, causal=self.causal)
+        if self.documents is not None:
+            lengths = [b - a for a, b in zip(self.documents, self.documents[1:])]
+            label.update(documents=len(lengths), longest_document=max(lengths),
+                         cu_seqlens=list(self.documents))
+        return label
+
+
+def document_mix(seq: int, world: int, seed: int) -> tuple:
+    """A long-tailed mix of packed documents over a row of ``seq`` tokens: many short, a few
+    long (lengths log-uniform between 32W and seq / 2, multiples of 32W; the last one fills)."""
+    gen = torch.Generator().manual_seed(seed)
+    unit, bounds = 32 * world, [0]
+    while bounds[-1] < seq:
+        length = unit * round(2 ** (torch.rand((), generator=gen).item()
+                                    * torch.log2(torch.tensor(seq / 2 / unit)).item()))
+        bounds.append(min(seq, bounds[-1] + max(unit, length)))
+    return tuple(bounds)
 
 
 def configs(args):
     out = [Config(args.world, tokens, args.heads, kv, args.head_dim, args.batch,
-                  not args.no_causal, DTYPES[args.dtype])
+                  not args.no_causal, DTYPES[args.dtype],
+                  document_mix(args.world * tokens, args.world, args.seed)
+                  if args.documents else None)
            for kv in args.kv_heads for tokens in args.tokens_per_gpu]
     # Largest first (stable: kv heads in the order given): the issue's main targets are at 8K
     # tokens per GPU, and a budget cut drops the smallest, host-bound sizes.
@@ -286,9 +321,16 @@ class Schedule:
         self.schedule = dr.get_schedule(schedule)
         self.schedule.layout.check_local_len(cfg.tokens, "--tokens-per-gpu")
         backend = args.fp32_backend if self.precision == "fp32" else "auto"
-        self.kernel = get_kernel(backend, torch.device(device), cfg.dtype, cfg.head_dim,
-                                 self.precision)
+        docs = cfg.documents is not None
+        self.kernel = get_kernel(backend if not docs else "auto", torch.device(device), cfg.dtype,
+                                 cfg.head_dim, self.precision, docs)
         self.options = dict(is_causal=cfg.causal, scale=cfg.head_dim ** -0.5, kernel=self.kernel)
+        self.documents = None if not docs else (
+            torch.tensor(cfg.documents, dtype=torch.int32, device=device), _longest(cfg))
+
+
+def _longest(cfg):
+    return max(b - a for a, b in zip(cfg.documents, cfg.documents[1:]))
 
 
 def schedule_call(method, comm, x, backward, mark=_unmarked):
@@ -297,13 +339,18 @@ def schedule_call(method, comm, x, backward, mark=_unmarked):
 
     Returns out (in q's dtype, as ``ring_attention`` returns it), lse, and dq, dk, dv."""
     comm.rewind()
+    # Packed documents as ring_attention gets them from ContextParallel: boundaries already on
+    # the device, the longest given (no host sync), the same tensor every call (its segments are
+    # derived once and reused, as by a model's layers; Documents.of).
+    docs = None if method.documents is None else Documents.of(*method.documents)
     with mark("fwd"):
-        out, lse = method.schedule.forward(comm, x.q, x.k, x.v, **method.options)
+        out, lse = method.schedule.forward(comm, x.q, x.k, x.v, docs=docs, **method.options)
         result = out.to(x.q.dtype)  # exact mode's merged out is fp32 (kept for the backward)
     if not backward:
         return result, lse
     with mark("bwd"):
-        grads = method.schedule.backward(comm, x.dout, x.q, x.k, x.v, out, lse, **method.options)
+        grads = method.schedule.backward(comm, x.dout, x.q, x.k, x.v, out, lse, docs=docs,
+                                         **method.options)
     return (result, lse, *grads)
 
 
@@ -314,17 +361,25 @@ class Ideal:
 
     def __init__(self, kernel_name, cfg, device):
         self.name = f"ideal_{kernel_name}"
-        self.kernel = get_kernel(kernel_name, torch.device(device), cfg.dtype, cfg.head_dim)
+        docs = cfg.documents is not None
+        self.kernel = get_kernel(kernel_name, torch.device(device), cfg.dtype, cfg.head_dim,
+                                 documents=docs)
         self.mask, self.scale = (CAUSAL if cfg.causal else NONE), cfg.head_dim ** -0.5
+        self.segments = None
+        if docs:  # one varlen call over the whole packed row (its segments: the documents)
+            cu = torch.tensor(cfg.documents, dtype=torch.int32, device=device)
+            self.segments = Segments(cu, cu, _longest(cfg), _longest(cfg))
 
 
 def ideal_call(method, x, backward, mark=_unmarked):
     with mark("fwd"):
-        out, lse = method.kernel.forward(x.q, x.k, x.v, method.mask, method.scale)
+        out, lse = method.kernel.forward(x.q, x.k, x.v, method.mask, method.scale,
+                                         method.segments)
     if not backward:
         return out, lse
     with mark("bwd"):
-        grads = method.kernel.backward(x.dout, x.q, x.k, x.v, out, lse, method.mask, method.scale)
+        grads = method.kernel.backward(x.dout, x.q, x.k, x.v, out, lse, method.mask, method.scale,
+                                       method.segments)
     return (out, lse, *grads)
 
 
@@ -667,7 +722,7 @@ def sweep(args, info, clock):
     for cfg in configs(args):
         cfg_rows, x = [], None
         for name in args.methods:
-            kernels = IDEAL_KERNELS[torch.device(device).type] if name == "ideal" else (None,)
+            kernels = ideal_kernels(args, device) if name == "ideal" else (None,)
             if clock.over_budget():
                 for kernel in kernels:
                     add(cfg, cfg_rows, {"method": f"ideal_{kernel}" if kernel else name,
@@ -675,9 +730,9 @@ def sweep(args, info, clock):
                                         "error": f"skipped: past --budget-s {args.budget_s:g}"})
                 continue
             if name == "ideal":
-                try:
+                try:  # K/V repeated for GQA, except for the varlen kernels, which take it
                     whole = make_inputs(cfg, cfg.world * cfg.tokens, device, args.seed,
-                                        cfg.heads // cfg.kv_heads)
+                                        1 if args.documents else cfg.heads // cfg.kv_heads)
                 except Exception as exc:  # noqa: BLE001
                     whole, error = None, describe(exc)
                 for kernel in kernels:

@@ -32,11 +32,29 @@ IGNORE_INDEX = -100  # the label of padding tokens (PyTorch's cross_entropy igno
 class Documents:
     """One call's documents: ``cu`` (int32, [N + 1], on the compute device) and ``max_len`` (an
     upper bound on the longest document, host int). Layouts keep the device tensors they derive
-    per call in ``cached`` (built once, reused by every ring step and by the backward)."""
+    in ``cached`` (built once, reused by every ring step and by the backward).
+
+    ``Documents.of(cu, max_len)`` reuses one object per boundaries tensor: ``ContextParallel``
+    passes the same tensor to every attention layer of a forward, so the per-step segments are
+    derived once per batch, not once per layer (a dozen small kernels and their host time
+    each). Not while a CUDA graph is captured or traced: a captured graph must derive them from
+    the boundaries the tensor holds at each replay."""
 
     def __init__(self, cu: torch.Tensor, max_len: int):
         self.cu, self.max_len = cu, max_len
         self._cache: dict = {}
+
+    @classmethod
+    def of(cls, cu: torch.Tensor, max_len: int) -> "Documents":
+        if (_is_traced(cu) or (cu.is_cuda and torch.cuda.is_current_stream_capturing())
+                or not isinstance(max_len, int)):
+            return cls(cu, max_len)
+        key = (max_len, cu._version)
+        held = getattr(cu, "_dtensor_ring_documents", None)
+        if held is None or held[0] != key:
+            held = (key, cls(cu, max_len))
+            cu._dtensor_ring_documents = held
+        return held[1]
 
     @property
     def count(self) -> int:
@@ -131,7 +149,7 @@ def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
         cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
     else:
         cu = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-    return Documents(cu, max_len)
+    return Documents.of(cu, max_len)
 
 
 def within_document(positions: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from .schedules import get_schedule
 
 def schedule_call(schedule, q, backend, precision, cu_seqlens, max_seqlen):
     """The schedule, its kernel and its keyword options for an op's arguments."""
-    docs = None if cu_seqlens is None else Documents(cu_seqlens, max_seqlen)
+    docs = None if cu_seqlens is None else Documents.of(cu_seqlens, max_seqlen)
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], precision, docs is not None)
     return get_schedule(schedule), dict(kernel=kernel, docs=docs)
 

@@ -19,6 +19,18 @@ from dtensor_ring.numerics import (NAMES, attention_and_grads, check_ratios, doc
 from dtensor_ring.sharding import rank_major_positions
 
 EXACT_PER_DOCUMENT = 1.02
+# The float64 references run on the CPU; the ring and the single-device kernel where this runs
+# (on a GPU machine: PyTorch's flash varlen op, the Triton exact kernels, cuDNN/flash SDPA).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _on_device(fn):
+    """``fn`` run on DEVICE, results back on the CPU (``attention_and_grads`` makes CPU leaves)."""
+    def run(q, k, v, dout):
+        got = attention_and_grads(fn, *(x.to(DEVICE) for x in (q, k, v)), dout.to(DEVICE),
+                                  q.dtype)
+        return [x.cpu() for x in got]
+    return run
 
 
 def _mixes(world):
@@ -118,12 +130,12 @@ def _check_documents(schedule, world, cu, is_causal, precision, *, q_heads=4, kv
     where = f"{schedule} W={world} causal={is_causal} {precision} cu={cu}"
     q, k, v, dout = make_inputs(1, q_heads, kv_heads, cu[-1], head_dim, seed)
     reference = attention_and_grads(document_sdpa(is_causal, cu), q, k, v, dout, torch.float64)
-    single = attention_and_grads(document_sdpa(is_causal, cu), q, k, v, dout, torch.bfloat16)
-    got = attention_and_grads(
+    bf16 = [x.bfloat16() for x in (q, k, v, dout)]
+    single = _on_device(document_sdpa(is_causal, cu))(*bf16)
+    got = _on_device(
         lambda a, b, c: dr.simulate_ring(a, b, c, world_size=world, schedule=schedule,
                                          is_causal=is_causal, precision=precision,
-                                         cu_seqlens=torch.tensor(cu)),
-        q, k, v, dout, torch.bfloat16)
+                                         cu_seqlens=torch.tensor(cu)))(*bf16)
     if precision == "exact":
         worst = _document_errors(got, single, reference, cu)
         assert max(worst.values()) <= EXACT_PER_DOCUMENT, f"{where}: {worst}"

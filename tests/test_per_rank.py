@@ -36,6 +36,21 @@ def smoke(one_thread, tmp_path_factory):
     return result, path
 
 
+def test_smoke_run_with_packed_documents(one_thread):
+    """--documents: every method on a long-tailed mix of documents, the ideal a varlen call."""
+    result = per_rank.main(["--device", "cpu", "--world", "4", "--tokens-per-gpu", "256",
+                            "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters",
+                            "1", "--warmup", "0", "--methods", "ideal,zigzag_fp32,llama3_exact",
+                            "--documents"])
+    rows = result["rows"]
+    assert [r["error"] for r in rows] == [None] * 3
+    cu = rows[0]["cu_seqlens"]
+    assert cu[0] == 0 and cu[-1] == 1024 and all(b > a for a, b in zip(cu, cu[1:]))
+    assert all((b - a) % 128 == 0 for a, b in zip(cu, cu[1:]))  # multiples of 32W
+    assert rows[0]["documents"] == len(cu) - 1 >= 3 and rows[1]["frac_fwd_bwd"] > 0
+    assert per_rank.document_mix(1024, 4, 0) == tuple(cu)
+
+
 def test_smoke_run_measures_every_method_and_rank(smoke):
     result, path = smoke
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))  # written, complete

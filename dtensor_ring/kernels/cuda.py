@@ -110,11 +110,14 @@ class Flash(_CudaKernel):
     # A row that sees no key gets LSE +inf from the kernel: -inf here (the kernels' convention).
 
     def _varlen_forward(self, q, k, v, causal, scale, segments):
+        # max_q >= 2: with max_q == 1 and GQA the op takes its decoding path, which assumes one
+        # query per segment and fails on segments without rows (llama3's chunks of one token).
+        max_q = max(segments.max_q, 2)
         outs, lses = [], []
         for b in range(q.shape[0]):
             out, lse = _aten._flash_attention_forward(
                 _rows(q[b]), _rows(k[b]), _rows(v[b]), segments.cu_q, segments.cu_k,
-                segments.max_q, segments.max_k, 0.0, causal, False, scale=scale)[:2]
+                max_q, segments.max_k, 0.0, causal, False, scale=scale)[:2]
             outs.append(out.transpose(0, 1))
             lses.append(lse.masked_fill(lse == float("inf"), float("-inf")))
         return _stack(outs), _stack(lses)
