@@ -41,6 +41,13 @@ class TorchFp32:
         lse.copy_(torch.maximum(lse, block_lse) + torch.log1p(small))
 
     @staticmethod
+    def merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows):
+        out, lse = a.float().clone(), a_lse.clone()
+        TorchFp32.merge_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        target.copy_(out)
+        target_lse.copy_(lse)
+
+    @staticmethod
     def accumulate_(acc, x, add):
         acc.add_(x) if add else acc.copy_(x)
 
@@ -54,6 +61,12 @@ class TritonFp32:
         from . import triton_merge  # noqa: PLC0415 - triton is optional
 
         triton_merge.merge_(out, lse, block_out, block_lse)
+
+    @staticmethod
+    def merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows):
+        from . import triton_merge  # noqa: PLC0415
+
+        triton_merge.merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows)
 
     @staticmethod
     def accumulate_(acc, x, add):
@@ -80,6 +93,16 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     documents) takes the other side's values; start the accumulator with ``init_``.
     """
     _ops(out).merge_(out, lse, block_out, block_lse)
+
+
+def merge_into_(target: torch.Tensor, target_lse: torch.Tensor, a: torch.Tensor,
+                a_lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+                rows: slice) -> None:
+    """``target`` = (``a``, ``a_lse``) merged with a block over rows ``rows`` of it, every row
+    written (rows outside the block: ``a``); ``target`` in any float dtype (the cast is the last
+    step), ``target_lse`` fp32 and may be ``a_lse`` (updated in place). ``a`` must not be
+    ``target``: for that, ``merge_``."""
+    _ops(target).merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows)
 
 
 def accumulate_(acc: torch.Tensor, x: torch.Tensor, add: bool) -> None:

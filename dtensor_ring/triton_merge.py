@@ -12,6 +12,12 @@
 
 Memory: out read and written once (fp32), block_out read once; the torch form makes ~8 passes.
 
+``_merge_into``: the same merge written out of place over every row of a target (fp32, or the
+final 16-bit out): target = a merged with a block that covers rows [r0, r1) of it (rows outside it
+take a as is). The forward uses it to start its fp32 accumulator from the first two blocks (no
+separate copy of the first) and to write the last merge straight into the 16-bit result (no
+separate cast).
+
 ``_accumulate``: acc = x, or acc += x (ADD), acc fp32, x any float dtype, same grid.
 
 Both update their tensors in place, and a 1-D row vector (lse) is held by several threads at once
@@ -72,6 +78,28 @@ def _merge(Out, Lse, BlockOut, BlockLse,
 
 
 @triton.jit
+def _merge_into(Target, TargetLse, A, ALse, B, BLse,
+                stb, sth, stm, std, slb, slh, slm, sab, sah, sam, sad, sxb, sxh, sxm,
+                sbb, sbh, sbm, sbd, syb, syh, sym, r0, r1, heads, seq, head_dim,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h, rows, dims, row_ok, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
+    a = tl.load(A + b * sab + h * sah + rows[:, None] * sam + dims[None, :] * sad, mask=tile_ok,
+                other=0.0).to(tl.float32)
+    a_lse = tl.load(ALse + b * sxb + h * sxh + rows * sxm, mask=row_ok, other=0.0)
+    in_block = row_ok & (rows >= r0) & (rows < r1)
+    brows = rows - r0
+    block = tl.load(B + b * sbb + h * sbh + brows[:, None] * sbm + dims[None, :] * sbd,
+                    mask=in_block[:, None] & tile_ok, other=0.0).to(tl.float32)
+    block_lse = tl.load(BLse + b * syb + h * syh + brows * sym, mask=in_block,
+                        other=float("-inf"))  # rows outside the block: a as is
+    tl.debug_barrier()  # TargetLse may be ALse (in place): every thread loads before any stores
+    out, lse = merge_rows(a, a_lse, block, block_lse)
+    tl.store(Target + b * stb + h * sth + rows[:, None] * stm + dims[None, :] * std,
+             out.to(Target.dtype.element_ty), mask=tile_ok)
+    tl.store(TargetLse + b * slb + h * slh + rows * slm, lse, mask=row_ok)
+
+
+@triton.jit
 def _accumulate(Acc, X, sab, sah, sam, sad, sxb, sxh, sxm, sxd, heads, seq, head_dim,
                 ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     b, h, rows, dims, _, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
@@ -95,6 +123,14 @@ def merge_(out, lse, block_out, block_lse) -> None:
     grid, blocks = _grid(out)
     _merge[grid](out, lse, block_out, block_lse, *out.stride(), *lse.stride(),
                  *block_out.stride(), *block_lse.stride(), *out.shape[1:], **blocks)
+
+
+def merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows: slice) -> None:
+    """``merge.merge_into_`` in one kernel launch."""
+    grid, blocks = _grid(target)
+    _merge_into[grid](target, target_lse, a, a_lse, block_out, block_lse, *target.stride(),
+                      *target_lse.stride(), *a.stride(), *a_lse.stride(), *block_out.stride(),
+                      *block_lse.stride(), rows.start, rows.stop, *target.shape[1:], **blocks)
 
 
 def accumulate_(acc, x, add: bool) -> None:

@@ -52,6 +52,35 @@ def test_triton_merge_is_the_torch_merge(dtype, head_dim):
         assert torch.equal(m[:, :, :20], b[:, :, :20]) and torch.equal(m[:, :, 60:], b[:, :, 60:])
 
 
+@pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.float32])
+def test_triton_merge_into_is_the_torch_one(target_dtype):
+    """Out of place, every row written: rows of the block merged, the others a as is (in the
+    target's dtype), the lse updated in place; against the torch form, and the rows outside the
+    block exactly a."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(2, 3, 40, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    a_lse = (torch.randn(2, 3, 40, generator=gen) * 3).to(DEVICE)
+    block_out = torch.randn(2, 3, 20, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    block_lse = (torch.randn(2, 3, 20, generator=gen) * 3).to(DEVICE)
+    block_lse[0, 0, :2] = float("-inf")  # rows that saw no key in the block: unchanged
+    rows = slice(12, 32)
+    results = []
+    for impl in (TorchFp32, TritonFp32):
+        target = torch.empty(2, 3, 40, 16, dtype=target_dtype, device=DEVICE)
+        lse = a_lse.clone()
+        impl.merge_into_(target, lse, a, lse, block_out, block_lse, rows)
+        results.append((target, lse))
+    (t_torch, l_torch), (t_triton, l_triton) = results
+    torch.testing.assert_close(t_triton.float(), t_torch.float(), rtol=2e-6 if target_dtype ==
+                               torch.float32 else 1e-2, atol=1e-6)
+    torch.testing.assert_close(l_triton, l_torch, rtol=2e-6, atol=1e-6)
+    outside = torch.ones(40, dtype=torch.bool)
+    outside[rows] = False
+    assert torch.equal(t_triton[:, :, outside], a[:, :, outside].to(target_dtype))
+    assert torch.equal(t_triton[0, 0, 12:14], a[0, 0, 12:14].to(target_dtype))  # -inf rows
+    assert torch.equal(l_triton[0, 0, :12], a_lse[0, 0, :12])
+
+
 def test_triton_merge_of_split_keys_is_softmax_over_all_keys_in_float64():
     gen = torch.Generator().manual_seed(1)
     scores = torch.randn(2, 3, 33, 20, generator=gen, dtype=torch.float64) * 4

@@ -4,7 +4,7 @@ import torch
 from ..kernels import BlockKernel
 from ..kernels.base import Into
 from ..layouts import Block
-from ..merge import accumulate_
+from ..merge import accumulate_, merge_, merge_into_
 
 
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):
@@ -79,6 +79,36 @@ class RowSums:
         for a, b in self._gaps(0, self.value.shape[2]):
             self.value[:, :, a:b].zero_()
         return self.value
+
+
+class ForwardMerge:
+    """The forward's (out, lse) over a known number of blocks, for a kernel that returns each
+    block's out in q's dtype (fp32 mode): the first block's result is kept as it is (it covers
+    every row), the second is merged with it into the fp32 accumulator in one pass over every
+    row (no separate copy of the first), later ones are merged in place, and the last is merged
+    straight into the result in q's dtype (no separate cast). One block: its result is the result.
+    Passes over out for W blocks: W - 1, where starting and casting an accumulator takes W + 1."""
+
+    def __init__(self, q: torch.Tensor, blocks: int):
+        self.q, self.left = q, blocks
+        self.out = self.lse = None
+        self.accumulating = False  # out is the fp32 accumulator (else the first block's out)
+
+    def add(self, block_out: torch.Tensor, block_lse: torch.Tensor, rows: slice) -> None:
+        self.left -= 1
+        if self.out is None:
+            assert rows.indices(self.q.shape[2]) == (0, self.q.shape[2], 1), "first: every row"
+            self.out, self.lse = block_out, block_lse
+            return
+        if self.accumulating and self.left:
+            merge_(self.out[:, :, rows], self.lse[:, :, rows], block_out, block_lse)
+            return
+        target = fp32_empty(self.q) if self.left else torch.empty_like(self.q)
+        merge_into_(target, self.lse, self.out, self.lse, block_out, block_lse, rows)
+        self.out, self.accumulating = target, bool(self.left)
+
+    def result(self):
+        return self.out, self.lse
 
 
 def result_out(out: torch.Tensor, q: torch.Tensor, kernel: BlockKernel) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import Block, Layout
-from .base import RowSums, attend_, block_backward, fp32_empty, result_out
+from .base import ForwardMerge, RowSums, attend_, block_backward, fp32_empty
 
 
 def split_own(block: Block, masks) -> tuple[list[Block], list[Block]]:
@@ -92,15 +92,24 @@ class RingPass:
 
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
         world, local_len = comm.world_size, q.shape[2]
-        out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
+        steps = [self._blocks(comm, step, local_len, is_causal, docs) for step in range(world)]
+        if kernel.exact:  # its kernel writes or merges into the fp32 accumulator itself
+            out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
+        else:  # the block results in q's dtype, merged as they come (ForwardMerge)
+            merged = ForwardMerge(q, sum(map(len, steps)))
         kv = [k, v]
-        for step in range(world):
+        for step, blocks in enumerate(steps):
             pending = comm.send_recv_next(kv) if step < world - 1 else None
-            for block in self._blocks(comm, step, local_len, is_causal, docs):
-                attend_(kernel, q, *kv, block, scale, out, lse, fresh=step == 0)
+            for block in blocks:
+                if kernel.exact:
+                    attend_(kernel, q, *kv, block, scale, out, lse, fresh=step == 0)
+                else:
+                    merged.add(*kernel.forward(q[:, :, block.q], kv[0][:, :, block.k],
+                                               kv[1][:, :, block.k], block.mask, scale,
+                                               block.segments), block.q)
             if pending is not None:
                 kv = pending.wait()
-        return result_out(out, q, kernel), lse
+        return (out, lse) if kernel.exact else merged.result()
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
                  docs=None):

@@ -1,0 +1,135 @@
+"""The ring inside CUDA graphs (one GPU; skipped without one).
+
+* Every schedule and precision, one rank of a W = 4 ring through ``ReplayComm`` (exchanges answered
+  by ready buffers), forward and backward captured in ``torch.cuda.graph`` and replayed: exact mode
+  replays the eager bits; fp32 mode replays the forward's bits, and its gradients differ from eager
+  no more than two eager calls differ (cuDNN's backward adds dq in a varying order). With packed
+  documents too (boundaries on the device, ``max_seqlen`` given: nothing read back to the host).
+* ``ring_attention`` on a one-rank NCCL group, eager, captured the same way.
+* ``torch.compile(mode="reduce-overhead")`` (CUDA graph trees) of the Llama model under
+  ``ContextParallel`` on that group: replays give the bits of the first compiled call.
+
+Capture needs a warm-up outside it (Triton compiles, cuDNN plans, the consistency check's first
+collective, the replay buffers): each test runs the call eagerly first, as a training loop would.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtensor_ring as dr
+from dtensor_ring.documents import Documents
+from dtensor_ring.kernels import get_kernel
+from dtensor_ring.replay import ReplayComm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def _inputs(heads=4, kv_heads=2, seq=256, dim=64, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(h):
+        return torch.randn(1, h, seq, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return randn(heads), randn(kv_heads), randn(kv_heads), randn(heads)
+
+
+def _captured(fn):
+    """(eager result, second eager result, replayed result) of ``fn()`` (a tuple of tensors)."""
+    first = [t.clone() for t in fn()]
+    second = [t.clone() for t in fn()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return first, second, [t.clone() for t in static]
+
+
+def _check(first, second, replayed, exact_grads, where):
+    for i, (a, b, r) in enumerate(zip(first, second, replayed)):
+        if i < 2 or exact_grads:  # out, lse; and every gradient in exact mode
+            assert torch.equal(a, r), f"{where}: output {i} of the replay differs from eager"
+        else:
+            eager_spread = (a.float() - b.float()).abs().max()
+            assert (a.float() - r.float()).abs().max() <= 2 * eager_spread + 1e-6, (
+                f"{where}: gradient {i - 2} of the replay differs from eager beyond cuDNN's "
+                f"own run-to-run spread ({eager_spread:.2e})")
+
+
+@pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
+@pytest.mark.parametrize("precision", ["fp32", "exact"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_one_rank_of_the_ring_replays_in_a_cuda_graph(schedule, precision, documents):
+    q, k, v, dout = _inputs()
+    sched = dr.get_schedule(schedule)
+    kernel = get_kernel("auto", q.device, q.dtype, q.shape[-1], precision, documents)
+    cu = torch.tensor([0, 128, 256, 640, 1024], dtype=torch.int32, device="cuda")
+    comm = ReplayComm(1, 4)
+
+    def step():
+        comm.rewind()
+        docs = Documents.of(cu, 384) if documents else None
+        out, lse = sched.forward(comm, q, k, v, is_causal=True, scale=0.125, kernel=kernel,
+                                 docs=docs)
+        grads = sched.backward(comm, dout, q, k, v, out, lse, is_causal=True, scale=0.125,
+                               kernel=kernel, docs=docs)
+        return (out, lse, *grads)
+
+    _check(*_captured(step), precision == "exact", f"{schedule} {precision} docs={documents}")
+
+
+@pytest.fixture(scope="module")
+def nccl_mesh():
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(),
+                            device_id=torch.device("cuda", 0))
+    yield torch.distributed.device_mesh.init_device_mesh("cuda", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["zigzag", "llama3"])
+def test_ring_attention_on_a_nccl_group_replays_in_a_cuda_graph(nccl_mesh, schedule):
+    q, k, v, dout = (x.requires_grad_(i < 3) for i, x in enumerate(_inputs()))
+    cu = torch.tensor([0, 64, 256], dtype=torch.int32, device="cuda")
+    for documents in (False, True):
+        extra = dict(cu_seqlens=cu, max_seqlen=192) if documents else {}
+
+        def step():
+            out = dr.ring_attention(q, k, v, mesh=nccl_mesh, schedule=schedule, is_causal=True,
+                                    precision="exact", **extra)
+            return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+        first, second, replayed = _captured(step)
+        for a, r in zip(first, replayed):
+            assert torch.equal(a, r), f"{schedule} documents={documents}: replay differs"
+
+
+def test_compiled_context_parallel_model_with_reduce_overhead(nccl_mesh):
+    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
+
+    from dtensor_ring.models import Llama, LlamaConfig  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig()).cuda()
+    model = parallelize_module(model, nccl_mesh, dr.ContextParallel("zigzag", precision="exact"))
+    compiled = torch.compile(model, mode="reduce-overhead")
+    ids = torch.randint(0, 512, (2, 128), device="cuda")
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        loss = compiled(ids, labels=ids).loss
+        loss.backward()
+        return [loss.detach().clone()] + [p.grad.clone() for p in model.parameters()]
+
+    results = [step() for _ in range(4)]  # warm-up, recording, then replays
+    for later in results[2:]:
+        for a, b in zip(results[1], later):
+            assert torch.equal(a, b), "a reduce-overhead replay differs from the recorded call"
+    eager = parallelize_module(Llama(LlamaConfig()).cuda(), nccl_mesh, dr.ContextParallel(
+        "zigzag", precision="exact"))
+    eager.load_state_dict(model.state_dict())
+    eager_loss = eager(ids, labels=ids).loss
+    assert torch.allclose(eager_loss, results[-1][0], rtol=1e-5), (eager_loss, results[-1][0])
