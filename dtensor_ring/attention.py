@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import ops
 from .comm import ProcessGroupComm
+from .consistency import check as check_consistency
 from .kernels import kernel_named, resolve_backend
 from .mesh import check_device, resolve_group
 from .schedules import get_schedule
@@ -54,6 +55,8 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     check_device(mesh, q, "query")
     sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
     if not _traced(q):
+        check_consistency(group, q, k, schedule=schedule, is_causal=is_causal,
+                          precision=precision, scale=options["scale"])  # ops.py checks the rest
         return _Ring.apply(q, k, v, group, sched, options)
     out, _ = ops.ring_attention_fwd(q, k, v, group.group_name, schedule, is_causal,
                                     options["scale"], options["kernel"].name, precision)

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm import ProcessGroupComm
+from .consistency import check as check_consistency
 from .kernels import get_kernel
 from .schedules import get_schedule
 
@@ -28,11 +29,16 @@ def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_
                        schedule: str, is_causal: bool, scale: float, backend: str,
                        precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     comm, sched, kernel = _run(group_name, schedule, q, backend, precision)
+    check_consistency(comm.group, q, k, schedule=schedule, is_causal=is_causal,
+                      precision=precision, scale=scale)  # before the first exchange
     return sched.forward(comm, q, k, v, is_causal=is_causal, scale=scale, kernel=kernel)
 
 
 @ring_attention_fwd.register_fake
 def _(q, k, v, group_name, schedule, is_causal, scale, backend, precision):
+    # Traced (torch.compile), the ranks agree here, once per graph (consistency.py).
+    check_consistency(_resolve_process_group(group_name), q, k, schedule=schedule,
+                      is_causal=is_causal, precision=precision, scale=scale)
     # Exact mode keeps the merged out in fp32 (its backward reads it); callers cast it.
     out_dtype = torch.float32 if precision == "exact" else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
