@@ -56,7 +56,9 @@ def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 @ring_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, group_name, schedule, is_causal, scale, backend, precision):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous, as the schedules return them, whatever the strides of q/k/v (a model's are often
+    # transposed views): a graph traced with empty_like's strides made views the real dq breaks.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _OPTIONS = ("group_name", "schedule", "is_causal", "scale", "backend", "precision")
