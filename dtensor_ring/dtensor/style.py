@@ -20,7 +20,11 @@ Applied to a module, it
    local positions: give it a ``position_ids`` parameter (a warning says so at apply time);
 4. while the module runs, sends ``F.scaled_dot_product_attention`` on plain (local) tensors to
    ``ring_attention`` on the mesh (SDPA on sequence-sharded DTensors still goes through the SDPA
-   rule); tensor-parallel heads stay local to the TP rank and pass through.
+   rule); tensor-parallel heads stay local to the TP rank and pass through;
+5. routes the SDPA of its submodules the same way when they run outside its forward -- activation
+   checkpointing's recompute in the backward (``torch.utils.checkpoint``, reentrant or not,
+   ``checkpoint_wrapper``, selective checkpointing) -- and inside checkpointed regions under
+   ``torch.compile`` (``_route_submodule``, ``_checkpoint_routed``).
 
 Outputs stay local (this rank's tokens, in the layout's order). Each rank's loss is the mean over
 its own tokens: with equal token counts the global loss is the mean over the ranks, and parameter
@@ -28,6 +32,7 @@ gradients must be averaged over the mesh dimension like a data-parallel one (``s
 FSDP/DDP over the combined data x context mesh). Labels must already be aligned with the inputs
 (shifted by the caller), since a shift inside the model would cross shard boundaries.
 """
+import functools
 import inspect
 import warnings
 
@@ -35,10 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo import config as dynamo_config
+from torch._higher_order_ops.wrap import tag_activation_checkpoint, wrap_activation_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..attention import ring_attention
 from ..layouts import get_layout
@@ -59,15 +66,18 @@ class _SequenceSdpa(TorchFunctionMode):
     and so through the DTensor rule.
     """
 
-    def __init__(self, mesh: DeviceMesh, style: "ContextParallel"):
+    def __init__(self, mesh: DeviceMesh, style: "ContextParallel", owner=None):
         super().__init__()
         self.mesh, self.style = mesh, style
+        self.owner = owner  # the submodule whose hooks entered it (_route_submodule); None: root
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._sdpa(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._sdpa(*args, **kwargs)
+        if func in _CHECKPOINT_HOPS:
+            return _checkpoint_routed(self, func, *args, **kwargs)
+        return func(*args, **kwargs)
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
@@ -88,6 +98,52 @@ class _SequenceSdpa(TorchFunctionMode):
         return ring_attention(query, key, value, mesh=self.mesh, schedule=self.style.schedule,
                               is_causal=is_causal, scale=scale, precision=self.style.precision,
                               backend=self.style.backend, dropout_p=dropout_p)
+
+
+# torch.utils.checkpoint as Dynamo traces it: a higher-order op whose first argument is the body.
+_CHECKPOINT_HOPS = (tag_activation_checkpoint, wrap_activation_checkpoint)
+
+
+def _checkpoint_routed(mode: _SequenceSdpa, hop, body, *args, **kwargs):
+    """A checkpointed region under ``torch.compile``, with the body's SDPA still routed.
+
+    Dynamo turns ``torch.utils.checkpoint.checkpoint`` into a higher-order op, which reaches the
+    mode like any function. A mode's handler runs with the mode popped, so calling the op from
+    here traced its body without the routing: its SDPA ran locally, a silent wrong result (seen on
+    torch 2.13: the loss of local attention, no ring node in the graph). The body re-enters the
+    mode itself. Dynamo counts that enter/exit as a side effect in a checkpointed region and
+    refuses it unless ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is
+    set, which ``ContextParallel`` sets when it is applied
+    (``_allow_routing_in_compiled_checkpoint``).
+    """
+    return hop(functools.partial(_run_in_mode, mode, body), *args, **kwargs)
+
+
+def _run_in_mode(mode, body, *args, **kwargs):
+    with mode:
+        return body(*args, **kwargs)
+
+
+def _allow_routing_in_compiled_checkpoint() -> None:
+    """Let ``_checkpoint_routed`` enter the routing inside a compiled checkpointed region.
+
+    Dynamo refuses any side effect there -- the mode's enter and exit included -- unless
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is set; the enter and
+    exit cancel, so there is nothing to replay in the backward. The flag is read while Dynamo
+    traces, and ``ContextParallel``'s hooks are traced too, so it is set here, when the style is
+    applied, for the process (as torchtitan does whenever it compiles). Its documented trade-off
+    then holds for the user's own code as well: a side effect inside a checkpointed, compiled
+    region (appending to a list, say) runs in the forward and is not replayed in the backward's
+    recompute, where without the flag Dynamo would refuse to compile it. On a torch without the
+    flag, compiling a checkpointed region of a ``ContextParallel`` module fails with Dynamo's
+    "HOP: Unsafe side effect" error instead of running its attention locally.
+    """
+    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def _routing_active() -> bool:
+    return any(isinstance(mode, _SequenceSdpa) for mode in _get_current_function_mode_stack())
 
 
 class ContextParallel(ParallelStyle):
@@ -147,7 +203,51 @@ class ContextParallel(ParallelStyle):
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+        for submodule in module.modules():
+            if submodule is not module:
+                self._route_submodule(submodule, device_mesh)
+        _allow_routing_in_compiled_checkpoint()
         return module
+
+    def _route_submodule(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        """Route ``module``'s SDPA to the ring whenever it runs with no routing active.
+
+        The routing is a function mode entered by the pre-hook of the module this style was
+        applied to and left by its post-hook, so it covers that module's forward only. Activation
+        checkpointing runs a checkpointed submodule's forward again during the backward, after the
+        post-hook: without these hooks that recompute ran plain local SDPA, which saves tensors of
+        other shapes (``torch.utils.checkpoint``'s "Recomputed values ... have different metadata"
+        error) or, with ``use_reentrant=True``, silently gave the gradients of local attention.
+        Hooking the submodules (rather than recording the routing in checkpoint's context) covers
+        every form of checkpointing that calls a module: ``checkpoint(block, ...)``,
+        ``checkpoint_wrapper``, reentrant or not, with any ``context_fn``, and a compiled block
+        checkpointed eagerly (``checkpoint(torch.compile(block), ...)``: Dynamo traces the hooks
+        and guards on the mode they enter). A checkpointed plain function that calls SDPA itself,
+        outside any submodule, is not covered; nor are modules added after the style is applied.
+
+        Inside the model's forward the routing is active and the hooks do nothing. A submodule
+        called on its own (outside the model's forward) runs its SDPA as the ring too: its inputs
+        are this rank's tokens, like the model's. While the routing is active the hooks mutate
+        nothing, so Dynamo traces them inside checkpointed regions; the mode they enter remembers
+        its owner (which hook leaves it) and is kept in ``entered`` (Dynamo, compiling a hook as a
+        frame of its own, can only rebuild a mode left on the stack from a place that holds it).
+        """
+        entered = []
+
+        def pre_hook(mod, args):
+            if not _routing_active():
+                mode = _SequenceSdpa(mesh, self, owner=mod)
+                mode.__enter__()
+                entered.append(mode)
+
+        def post_hook(mod, args, output):
+            stack = _get_current_function_mode_stack()
+            if stack and isinstance(stack[-1], _SequenceSdpa) and stack[-1].owner is mod:
+                stack[-1].__exit__(None, None, None)
+                entered.pop()
+
+        module.register_forward_pre_hook(pre_hook)
+        module.register_forward_hook(post_hook, always_call=True)
 
     def _shard_inputs(self, names, args, kwargs, mesh, fill):
         named = dict(zip(names, args))
