@@ -310,19 +310,42 @@ class ContextParallel(ParallelStyle):
         return positional, named
 
 
+BUCKET_MB = 25  # sync_gradients' default bucket size (DDP's default too)
+
+
 @torch.no_grad()
-def sync_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
+def sync_gradients(module: nn.Module, mesh: DeviceMesh, *, bucket_mb: float = BUCKET_MB) -> None:
     """Average every parameter gradient over ``mesh`` (the context-parallel dimension), in fp32.
 
     Each rank's gradient comes from its own tokens only; with equal token counts the full-sequence
     gradient is the mean over the ranks. DTensor parameters (e.g. tensor parallel on another mesh
-    dimension) are averaged shard by shard.
+    dimension) are averaged shard by shard. The gradients travel in fp32 buckets of about
+    ``bucket_mb`` MiB, one all-reduce per bucket (a gradient larger than that is a bucket of its
+    own), in parameter order.
+
+    For training, prefer FSDP2 (``fully_shard``) or DDP over the data x context ranks, which
+    average the gradients over both at once and overlap that with the backward (see the guide);
+    this function is for a model with context parallelism only, or for checking.
     """
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be a positive number (MiB per bucket)")
     group = mesh.get_group()
+    world = dist.get_world_size(group)
+    limit = int(bucket_mb * 2 ** 20) // 4  # fp32 elements
+    buckets, filling = [], {}  # filling: device -> (its open bucket, its element count)
     for param in module.parameters():
         if param.grad is None:
             continue
         grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
-        total = grad.float()
-        dist.all_reduce(total, group=group)
-        grad.copy_(total / dist.get_world_size(group))
+        bucket, size = filling.get(grad.device, (None, 0))
+        if bucket is None or size + grad.numel() > limit:
+            bucket, size = [], 0
+            buckets.append(bucket)
+        bucket.append(grad)
+        filling[grad.device] = (bucket, size + grad.numel())
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1).float() for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            grad.copy_(part.view_as(grad))
