@@ -37,7 +37,8 @@ SAVED_OPS = frozenset((torch.ops.dtensor_ring.ring_attention_fwd.default, *FORWA
 
 
 def save_ring_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpointing policy: save attention outputs (``SAVED_OPS``), recompute the rest."""
+    """Selective-checkpointing policy: save the attention outputs (``SAVED_OPS``), recompute the
+    rest."""
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

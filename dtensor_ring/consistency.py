@@ -1,5 +1,5 @@
-"""Cross-rank consistency: before the first exchange of a new kind of call, the ranks of the ring agree
-on what they are about to exchange.
+"""Cross-rank consistency: before the first exchange of a new kind of call, the ranks of the ring
+agree on what they are about to exchange.
 
 A ring attention call whose ranks disagree -- one rank with another local length, batch or head
 count, another schedule, causality or precision -- would otherwise post messages of different sizes

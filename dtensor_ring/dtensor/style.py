@@ -143,8 +143,8 @@ def _allow_routing_in_compiled_checkpoint() -> None:
 
 
 def _routing_active() -> bool:
-    at = torch._C._get_function_stack_at
-    return any(isinstance(at(i), _SequenceSdpa) for i in range(torch._C._len_torch_function_stack()))
+    at, depth = torch._C._get_function_stack_at, torch._C._len_torch_function_stack()
+    return any(isinstance(at(i), _SequenceSdpa) for i in range(depth))
 
 
 def _top_mode():
