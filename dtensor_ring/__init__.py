@@ -1,5 +1,6 @@
 """dtensor_ring: ring attention (ring, zigzag, stripe, llama3) for sequence-sharded PyTorch models."""
 from .attention import ring_attention, simulate_ring
+from .checkpointing import save_ring_attention, save_ring_attention_context
 from .documents import document_multiple, pad_documents
 from .dtensor import ContextParallel  # installs the DTensor SDPA rule
 from .kernels import BACKENDS
@@ -15,5 +16,6 @@ from . import passes  # noqa: E402 - needs the runtime above; installed as dtens
 passes.install()
 
 __all__ = ["BACKENDS", "ContextParallel", "LAYOUTS", "SCHEDULES", "SCHEDULE_LAYOUT",
-           "document_multiple", "pad_documents", "ring_attention", "sequence_positions",
-           "shard_sequence", "simulate_ring", "unshard_sequence"]
+           "document_multiple", "pad_documents", "ring_attention", "save_ring_attention",
+           "save_ring_attention_context", "sequence_positions", "shard_sequence",
+           "simulate_ring", "unshard_sequence"]

@@ -15,13 +15,16 @@ def main(argv=None) -> int:
     demo = commands.add_parser("demo", help="train a small Llama with context parallelism on N "
                                "processes next to one process")
     demo.add_argument("--nproc", type=int, default=4)
+    demo.add_argument("--dp", type=int, default=1,
+                      help="data-parallel groups (each of nproc / dp context-parallel ranks)")
     demo.add_argument("--schedule", choices=["auto", *sorted(SCHEDULES)], action="append",
                       help="repeat to pick several (default: all four)")
     demo.add_argument("--steps", type=int, default=30)
-    demo.add_argument("--batch", type=int, default=2, help="sequences per step")
+    demo.add_argument("--batch", type=int, default=2,
+                      help="sequences per step, over all data-parallel groups")
     demo.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     demo.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                      help="torch.compile the context-parallel model (default: on)")
+                      help="torch.compile each block of the model (default: on)")
     demo.add_argument("--device", choices=DEVICES, default="cpu",
                       help="cuda: one GPU per process, NCCL")
     check = commands.add_parser("check", help="accuracy of every schedule on N CPU processes")
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
     if args.command == "demo":
         _, ok = run_demo(nproc=args.nproc, schedules=tuple(args.schedule or sorted(SCHEDULES)),
                          steps=args.steps, batch=args.batch, seq=args.seq,
-                         compile_model=args.compile, device=args.device)
+                         compile_model=args.compile, device=args.device, dp=args.dp)
         return 0 if ok else 1
     _, ok = run_check(nproc=args.nproc, schedules=tuple(args.schedule or sorted(SCHEDULES)),
                       dtypes=tuple(args.dtype or ("float32", "bfloat16")), seq=args.seq,

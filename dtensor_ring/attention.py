@@ -3,7 +3,10 @@ runs the same schedule code for W simulated ranks in one process.
 
 Eagerly, ``ring_attention`` calls the schedule from its own ``autograd.Function``; traced (by
 ``torch.compile``, export, make_fx) it calls the custom ops of ``ops.py`` instead, which Dynamo and
-AOTAutograd see as one node each and the graph pass expands. Both run the same schedule code. The
+AOTAutograd see as one node each and the graph pass expands. Both run the same schedule code. It
+also calls the op eagerly while a dispatch mode is active (selective activation checkpointing's
+policy, ``FlopCounterMode``, ``CommDebugMode``): a mode sees an op as one call it can save, count or
+replay, but sees only the kernels and collectives inside an ``autograd.Function``. The
 eager path skips the custom op's per-call dispatch (argument binding and its autograd wrapper:
 0.16-0.36 ms per fwd+bwd call at 2K-4K tokens, H200), and its backward gets the 16-bit out's grad:
 exact mode's fp32 out, kept for the backward, is not handed to autograd, so no fp32 gradient is
@@ -19,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import ops
 from .comm import ProcessGroupComm
+from .consistency import check as check_consistency
 from .documents import documents
 from .kernels import kernel_named, resolve_backend
 from .mesh import check_device, resolve_group
@@ -68,9 +72,12 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
                               world_size=world, seq_len=q.shape[2] * world)
     check_device(mesh, q, "query")
     sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
-    if not _traced(q):
-        return _Ring.apply(q, k, v, group, sched, options)
     docs = options["docs"]
+    if not _use_op(q):
+        check_consistency(group, q, k, schedule=schedule, is_causal=is_causal,
+                          precision=precision, scale=options["scale"],
+                          cu_seqlens=None if docs is None else docs.cu)  # ops.py checks the rest
+        return _Ring.apply(q, k, v, group, sched, options)
     # The documents' boundaries go into the graph as a tensor (new boundaries: no recompile);
     # the bound on their length sizes kernel grids, so it is a constant of the graph
     # (operator.index: Dynamo specialises it, as the head dim above).
@@ -81,10 +88,12 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     return out.to(q.dtype)  # exact kernels leave the merged out in fp32 (kept for the backward)
 
 
-def _traced(x: torch.Tensor) -> bool:
-    """Whether this call is being traced (Dynamo, export, make_fx, fake tensors): then the
-    custom op, which tracers see as one node, not the schedule's Python loop."""
-    return torch.compiler.is_compiling() or get_proxy_mode() is not None or is_fake(x)
+def _use_op(x: torch.Tensor) -> bool:
+    """Whether to call the custom op: while this call is traced (Dynamo, export, make_fx, fake
+    tensors), which must see one node, not the schedule's Python loop, and while a dispatch mode
+    is active (see the module docstring)."""
+    return (torch.compiler.is_compiling() or get_proxy_mode() is not None or is_fake(x)
+            or torch._C._len_torch_dispatch_stack() > 0)
 
 
 class _Ring(torch.autograd.Function):

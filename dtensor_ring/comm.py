@@ -9,6 +9,7 @@ graph of explicit steps.
 Every operation is posted at once and returns a ``Pending``; ``wait()`` gives the result. A schedule
 posts the next step's exchange before it computes the current step, so the two overlap.
 """
+import collections
 from typing import Protocol
 
 import torch
@@ -77,6 +78,19 @@ def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
 NCCL_HEAD_START_CYCLES = 20_000
 
 
+# What ``ProcessGroupComm`` has posted in this process since it started (or since you cleared it):
+# the number of each operation ("send_recv_next", "all_gather", "reduce_scatter") and "bytes",
+# the bytes this rank handed to them. The eager ring's exchanges, for tests and accounting (e.g. an
+# activation-checkpointing recompute's extra traffic); compiled graphs communicate through
+# functional collectives instead (``dtensor_ring.passes.COUNTERS``).
+TRAFFIC: collections.Counter = collections.Counter()
+
+
+def _count(operation: str, tensors) -> None:
+    TRAFFIC[operation] += 1
+    TRAFFIC["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+
+
 class ProcessGroupComm:
     """``Communicator`` over a ``torch.distributed`` process group."""
 
@@ -92,6 +106,7 @@ class ProcessGroupComm:
     def send_recv_next(self, tensors):
         if self.world_size == 1:
             return _Done(list(tensors))
+        _count("send_recv_next", tensors)
         tensors = [t.contiguous() for t in tensors]  # P2P needs dense buffers (a model's k/v
         received = [torch.empty_like(t) for t in tensors]  # may be transposed views)
         ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in tensors]
@@ -102,6 +117,7 @@ class ProcessGroupComm:
         return _Works(works, received)
 
     def all_gather(self, tensor):
+        _count("all_gather", [tensor])
         # The collectives concatenate along dim 0; flatten the leading dims so any rank works.
         flat = tensor.contiguous().view(-1, *tensor.shape[-1:])
         gathered = flat.new_empty((self.world_size * flat.shape[0], flat.shape[1]))
@@ -109,6 +125,7 @@ class ProcessGroupComm:
         return _Works([work], gathered.view(self.world_size, *tensor.shape))
 
     def reduce_scatter(self, tensor):
+        _count("reduce_scatter", [tensor])
         tensor = tensor.contiguous()
         if self._nccl:
             out = tensor.new_empty(tensor.shape[1:])

@@ -1,21 +1,28 @@
-"""The demo job: train the repository's small Llama with context parallelism and check it against
-the same model trained on one process.
+"""The demo job: train the repository's small Llama with context parallelism (and data parallelism)
+and check it against the same model trained on one process.
 
 ``python -m dtensor_ring demo`` launches N processes through PyTorch's elastic launcher (gloo on
-CPU, NCCL with one GPU each on ``--device cuda``). For each schedule, the ranks train the model
-with ``parallelize_module(model, mesh, ContextParallel(schedule))`` and ``torch.compile`` (unless
-``--no-compile``) for a few dozen AdamW steps on synthetic batches: each rank sees only its share of
-every sequence, and gradients are averaged over the ranks (``sync_gradients``).
+CPU, NCCL with one GPU each on ``--device cuda``) as a (dp, cp) mesh: ``--dp`` data-parallel groups
+of N / dp context-parallel ranks (default dp = 1: all N ranks split every sequence). For each
+schedule, the ranks train the model as a training script would compose the two:
 
-Every step is checked: rank 0 runs the same batch, at the same weights, through the plain model on
-one process and compares the global loss (the mean of the ranks' losses) and the averaged
-gradients with it. It prints, per schedule, the last step's two losses, the largest differences
-seen, the training speed and a verdict. Everything is fp32, so a correct run differs from the
-single process only by float32 rounding (summation order, inductor's fused kernels): ~1e-7
-relative in the loss and ~1e-6 in the gradients. ``LOSS_TOLERANCE`` and ``GRAD_TOLERANCE`` sit ten
-times above that and far below what a real mistake gives (a model that sees local instead of
-global RoPE positions is off by ~1e-3 in the gradients from the first step, and by more as it
-learns to attend by position).
+    model = parallelize_module(model, mesh["cp"], ContextParallel(schedule))   # sequences
+    for block in model.layers:                  # torch.compile per block (unless --no-compile)
+        fully_shard(torch.compile(block), mesh=dp_cp)
+    fully_shard(model, mesh=dp_cp)              # FSDP2 over all dp x cp ranks
+
+for a few dozen AdamW steps on synthetic batches: each dp group takes its share of the batch, each
+cp rank its share of every sequence, and FSDP2 averages the gradients over all ranks (each rank's
+loss is the mean over its tokens, so that average is the whole batch's gradient).
+
+Every step is checked: rank 0 runs the whole batch, at the same weights, through the plain model on
+one process and compares the global loss (the mean of the ranks' losses) and the gradients with it.
+It prints, per schedule, the last step's two losses, the largest differences seen, the training
+speed and a verdict. Everything is fp32, so a correct run differs from the single process only by
+float32 rounding (summation order, inductor's fused kernels): ~1e-7 relative in the loss and ~1e-6
+in the gradients. ``LOSS_TOLERANCE`` and ``GRAD_TOLERANCE`` sit ten times above that and far below
+what a real mistake gives (a model that sees local instead of global RoPE positions is off by
+~1e-3 in the gradients from the first step, and by more as it learns to attend by position).
 """
 import copy
 import sys
@@ -24,9 +31,12 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from .dtensor import ContextParallel, sync_gradients
+from .comm import _all_gather_tensor
+from .dtensor import ContextParallel
 from .launch import init_from_env, launch
 from .models import Llama, LlamaConfig
 from .numerics import rel_rms
@@ -62,6 +72,52 @@ def _flat_grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
+def _plain_name(name: str) -> str:
+    """A parameter's name in the plain model (without torch.compile's wrapper)."""
+    return name.replace("_orig_mod.", "")
+
+
+def _full_weights_and_grads(model):
+    """Every parameter and gradient whole, by plain name (one collective: every rank calls)."""
+    names, tensors = [], []
+    for name, p in model.named_parameters():
+        names.append(_plain_name(name))
+        tensors += [p.detach(), p.grad]
+    full = _gather_whole(tensors)
+    return dict(zip(names, full[0::2])), dict(zip(names, full[1::2]))
+
+
+def _gather_whole(tensors):
+    """The whole tensors of FSDP2's dim-0 shards (DTensors ``Shard(0)`` on a 1-D mesh) in one
+    all-gather of all of them, not one per tensor (``full_tensor``: two per parameter and step,
+    ~6 s of a 50 s demo schedule on gloo); other tensors are returned as they are."""
+    sharded = [i for i, t in enumerate(tensors) if isinstance(t, DTensor)]
+    if not sharded:
+        return list(tensors)
+    mesh = tensors[sharded[0]].device_mesh
+    world = mesh.size()
+    if mesh.ndim != 1 or any(tensors[i].placements != (Shard(0),) for i in sharded):
+        return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+    # Each rank's rows of each tensor: torch.chunk's split of dim 0 (what Shard(0) holds).
+    rows = [[len(c) for c in torch.arange(tensors[i].shape[0]).chunk(world)] for i in sharded]
+    rows = [r + [0] * (world - len(r)) for r in rows]
+    width = [tensors[i].shape[1:].numel() for i in sharded]
+    sizes = [sum(r[rank] * w for r, w in zip(rows, width)) for rank in range(world)]
+    local = torch.cat([tensors[i].to_local().reshape(-1) for i in sharded])
+    local = torch.nn.functional.pad(local, (0, max(sizes) - local.numel()))
+    gathered = local.new_empty(world * max(sizes))
+    _all_gather_tensor(gathered, local, group=mesh.get_group())
+    gathered = gathered.view(world, max(sizes))
+    out, offsets = list(tensors), [0] * world
+    for i, r, w in zip(sharded, rows, width):
+        parts = []
+        for rank in range(world):
+            parts.append(gathered[rank, offsets[rank]:offsets[rank] + r[rank] * w])
+            offsets[rank] += r[rank] * w
+        out[i] = torch.cat(parts).view(tensors[i].shape)
+    return out
+
+
 def _progress(schedule, step, steps, loss=None, note=""):
     """One line on rank 0's stderr, redrawn in place (no loss before the first step)."""
     done = 24 * step // steps
@@ -73,24 +129,47 @@ def _progress(schedule, step, steps, loss=None, note=""):
     sys.stderr.flush()
 
 
+def _data_and_context(mesh):
+    """(the whole mesh as a (dp, cp) mesh or a 1-D cp one, dp size, this rank's dp index)."""
+    if mesh.ndim == 1:
+        return mesh, 1, 0
+    return mesh, mesh.size(0), mesh.get_local_rank(0)
+
+
+def build_model(single, mesh, schedule, *, compile_model, style_options=None):
+    """``single``'s copy, trained as the module docstring shows: ContextParallel on the cp
+    dimension, each block compiled (``compile_model``), FSDP2 over all ranks of ``mesh``."""
+    cp_mesh = mesh if mesh.ndim == 1 else mesh["cp"]
+    model = parallelize_module(copy.deepcopy(single), cp_mesh,
+                               ContextParallel(schedule, **(style_options or {})))
+    all_ranks = mesh if mesh.ndim == 1 else mesh._flatten("dp_cp")
+    for i, block in enumerate(list(model.layers)):
+        if compile_model:
+            block = model.layers[i] = torch.compile(block)
+        fully_shard(block, mesh=all_ranks)
+    return fully_shard(model, mesh=all_ranks)
+
+
 def train_schedule(mesh, schedule, *, steps, batch, seq, compile_model, device, lr=3e-3,
                    style_options=None):
-    """Train the context-parallel model and check every step against the single-process model;
-    returns the figures of one row (rank 0 compares; the other ranks return their timings only).
+    """Train the model on ``mesh`` (1-D: context parallel only; 2-D ("dp", "cp")) and check every
+    step against the single-process model; returns the figures of one row (rank 0 compares; the
+    other ranks return their timings only).
 
-    Every step, rank 0 loads the context-parallel model's current weights into the single-process
-    model and runs the same batch through it, so the two losses and gradients differ only by what
-    this step's context parallelism added (no drift of two separate trainings). After
-    ``sync_gradients`` every rank holds the same gradients, so rank 0 alone compares them.
-    ``style_options`` go to ``ContextParallel`` (the tests use them to break the model on purpose).
+    Every step, rank 0 loads the model's current weights into the single-process model and runs
+    the whole batch through it, so the two losses and gradients differ only by what this step's
+    parallelism added (no drift of two separate trainings). ``style_options`` go to
+    ``ContextParallel`` (the tests use them to break the model on purpose).
     """
+    mesh, dp, dp_rank = _data_and_context(mesh)
     torch.manual_seed(0)
     single = Llama(LlamaConfig()).to(device)
-    model = parallelize_module(copy.deepcopy(single), mesh,
-                               ContextParallel(schedule, **(style_options or {})))
-    run = torch.compile(model) if compile_model else model
+    model = build_model(single, mesh, schedule, compile_model=compile_model,
+                        style_options=style_options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    rank0 = dist.get_rank(mesh.get_group()) == 0
+    world = dist.get_world_size()
+    rank0 = dist.get_rank() == 0
+    mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)  # this dp group's sequences
     loss_gap = grad_gap = first_step_s = train_s = 0.0
     ref_loss = None
     for step in range(steps):
@@ -98,10 +177,9 @@ def train_schedule(mesh, schedule, *, steps, batch, seq, compile_model, device, 
         if rank0 and step == 0 and compile_model:
             _progress(schedule, 0, steps, note="compiling ...")
         start = time.perf_counter()
-        loss = _loss_and_grads(run, ids, labels)
-        sync_gradients(model, mesh)
-        dist.all_reduce(loss, group=mesh.get_group())
-        loss /= mesh.size()
+        loss = _loss_and_grads(model, ids[mine], labels[mine])  # FSDP2 averages the gradients
+        dist.all_reduce(loss)
+        loss /= world
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -109,11 +187,13 @@ def train_schedule(mesh, schedule, *, steps, batch, seq, compile_model, device, 
             first_step_s = seconds
         else:
             train_s += seconds
+        weights, grads = _full_weights_and_grads(model)
         if rank0:
-            single.load_state_dict(model.state_dict())
+            single.load_state_dict(weights)
             ref_loss = _loss_and_grads(single, ids, labels)
             loss_gap = max(loss_gap, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
-            grad_gap = max(grad_gap, rel_rms(_flat_grads(model), _flat_grads(single)))
+            flat = torch.cat([grads[n].flatten() for n, _ in single.named_parameters()])
+            grad_gap = max(grad_gap, rel_rms(flat, _flat_grads(single)))
             _progress(schedule, step + 1, steps, loss.item())
         optimizer.step()
     tokens = batch * seq * (steps - 1)
@@ -130,7 +210,7 @@ def verdict(row) -> str:
             f"(tolerances {LOSS_TOLERANCE:.0e} loss, {GRAD_TOLERANCE:.0e} grads)")
 
 
-def _rank_main(schedules, steps, batch, seq, compile_model, device_type):
+def _rank_main(schedules, steps, batch, seq, compile_model, device_type, dp):
     backend = "nccl" if device_type == "cuda" else "gloo"
     init_from_env(backend)
     if device_type == "cuda":
@@ -138,10 +218,11 @@ def _rank_main(schedules, steps, batch, seq, compile_model, device_type):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("cp",))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (dp, world // dp), mesh_dim_names=("dp", "cp"))
     rows = []
     for schedule in schedules:
-        row = train_schedule(mesh["cp"], schedule, steps=steps, batch=batch, seq=seq,
+        row = train_schedule(mesh, schedule, steps=steps, batch=batch, seq=seq,
                              compile_model=compile_model, device=device)
         # The slowest rank's timings (the rest is rank 0's comparison).
         slowest = torch.tensor([row["first_step_s"], -row["tokens_per_s"]], dtype=torch.float64,
@@ -154,7 +235,7 @@ def _rank_main(schedules, steps, batch, seq, compile_model, device_type):
     return rows
 
 
-def _check_args(nproc, schedules, steps, batch, seq, device):
+def _check_args(nproc, dp, schedules, steps, batch, seq, device):
     if device not in DEVICES:
         raise ValueError(f"device={device!r} is not supported; valid: {list(DEVICES)}")
     if device == "cuda" and torch.cuda.device_count() < nproc:
@@ -164,25 +245,35 @@ def _check_args(nproc, schedules, steps, batch, seq, device):
     if unknown:
         raise ValueError(f"schedule {unknown} unknown; valid: {['auto', *sorted(SCHEDULES)]}")
     check_int(steps, "steps", 2, "an int >= 2 (the first step is the warm-up)")
+    check_int(dp, "dp", 1, "a positive int dividing nproc")
+    if nproc % dp:
+        raise ValueError(f"dp={dp} must divide nproc={nproc} (nproc / dp ranks split each "
+                         "sequence)")
     check_int(batch, "batch", 1, "a positive int")
-    # Every layout splits the sequence into at most 2 * nproc equal chunks.
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < PERIOD or seq % (2 * nproc):
-        raise ValueError(f"seq={seq!r} must be an int >= {PERIOD} divisible by 2 * nproc = "
-                         f"{2 * nproc}")
+    if batch % dp:
+        raise ValueError(f"batch={batch} must be divisible by dp={dp} (each data-parallel group "
+                         "takes batch / dp sequences)")
+    # Every layout splits the sequence into at most 2 * cp equal chunks.
+    cp = nproc // dp
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < PERIOD or seq % (2 * cp):
+        raise ValueError(f"seq={seq!r} must be an int >= {PERIOD} divisible by 2 * (nproc / dp) "
+                         f"= {2 * cp}")
 
 
 def run_demo(nproc=4, schedules=tuple(sorted(SCHEDULES)), steps=30, batch=2, seq=256,
-             compile_model=True, device="cpu"):
+             compile_model=True, device="cpu", dp=1):
     """Launch the demo, print its table; returns the rows and whether every schedule matched."""
-    _check_args(nproc, schedules, steps, batch, seq, device)
+    _check_args(nproc, dp, schedules, steps, batch, seq, device)
     backend = "nccl" if device == "cuda" else "gloo"
-    how = "torch.compile" if compile_model else "eager"
-    print(f"dtensor_ring demo: {nproc} {device.upper()} processes ({backend}), Llama "
+    how = "torch.compile per block" if compile_model else "eager"
+    print(f"dtensor_ring demo: {nproc} {device.upper()} processes ({backend}) as dp={dp} x "
+          f"cp={nproc // dp}, Llama "
           f"({sum(p.numel() for p in Llama(LlamaConfig()).parameters()) / 1e6:.1f}M parameters), "
-          f"{batch} sequences of {seq} tokens, {steps} AdamW steps, {how}")
+          f"{batch} sequences of {seq} tokens, {steps} AdamW steps, FSDP2, {how}")
     print("Each schedule trains the model with context parallelism; every step is checked against "
           "the same model on one process.")
-    rows = launch(_rank_main, nproc, tuple(schedules), steps, batch, seq, compile_model, device)[0]
+    rows = launch(_rank_main, nproc, tuple(schedules), steps, batch, seq, compile_model, device,
+                  dp)[0]
     print(f"{'schedule':9} {'loss':>7} {'1-proc':>7} {'loss diff':>9} {'grad diff':>9} "
           f"{'tokens/s':>8} {'1st step s':>10}  verdict")
     verdicts = []

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm import ProcessGroupComm
+from .consistency import check as check_consistency
 from .documents import Documents
 from .kernels import get_kernel
 from .schedules import get_schedule
@@ -37,6 +38,9 @@ def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_
                        precision: str, cu_seqlens: Optional[torch.Tensor],
                        max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
     comm = ProcessGroupComm(_resolve_process_group(group_name))
+    check_consistency(comm.group, q, k, schedule=schedule, is_causal=is_causal,
+                      precision=precision, scale=scale,
+                      cu_seqlens=cu_seqlens)  # before the first exchange
     sched, options = schedule_call(schedule, q, backend, precision, cu_seqlens, max_seqlen)
     return sched.forward(comm, q, k, v, is_causal=is_causal, scale=scale, **options)
 
@@ -44,6 +48,10 @@ def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_
 @ring_attention_fwd.register_fake
 def _(q, k, v, group_name, schedule, is_causal, scale, backend, precision, cu_seqlens,
       max_seqlen):
+    # Traced (torch.compile), the ranks agree here, once per graph (consistency.py).
+    check_consistency(_resolve_process_group(group_name), q, k, schedule=schedule,
+                      is_causal=is_causal, precision=precision, scale=scale,
+                      cu_seqlens=cu_seqlens)
     # Exact mode keeps the merged out in fp32 (its backward reads it); callers cast it.
     out_dtype = torch.float32 if precision == "exact" else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -64,7 +72,9 @@ def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 @ring_attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, group_name, schedule, is_causal, scale, backend, precision,
       cu_seqlens, max_seqlen):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous, as the schedules return them, whatever the strides of q/k/v (a model's are often
+    # transposed views): a graph traced with empty_like's strides made views the real dq breaks.
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 _OPTIONS = ("group_name", "schedule", "is_causal", "scale", "backend", "precision",

@@ -114,9 +114,14 @@ def expand_ring_attention(graph: torch.fx.Graph) -> int:
     if not nodes:
         COUNTERS["graphs_without_ring_attention"] += 1  # nothing of ours here: leave it untouched
         return 0
+    backward_graph = any(n.target is targets[1] for n in nodes)
     for node in nodes:
         _expand(graph, node)
         COUNTERS[f"expanded_{node.target.overloadpacket.__name__}"] += 1
+        if backward_graph and node.target is targets[0]:
+            # A ring forward in a backward graph: activation checkpointing's recompute, which
+            # communicates again (zero under dr.save_ring_attention_context).
+            COUNTERS["recomputed_ring_attention_fwd"] += 1
     graph.lint()
     return len(nodes)
 

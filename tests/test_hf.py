@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring import hf  # noqa: E402
+from dtensor_ring.comm import TRAFFIC  # noqa: E402
 from dtensor_ring.numerics import rel_rms  # noqa: E402
 from dist_utils import run_on_ranks  # noqa: E402
 from dtensor_helpers import expect_error  # noqa: E402
@@ -129,6 +130,41 @@ def _parity(mesh, failures, label, schedules):
         if not logits_err <= FP32_LIMIT:
             failures.append(f"{where}: this rank's logits {logits_err:.2e} from its shard")
     _wrong_setups(mesh, failures, label, base, ids, labels, reference)
+    if mesh.size() == 2:
+        _checkpointing(mesh, failures, label, base, ids, labels, reference)
+
+
+def _checkpointing(mesh, failures, label, base, ids, labels, reference):
+    """transformers' own gradient checkpointing (reentrant or not, and selective with
+    ``dr.save_ring_attention_context``) gives the same loss and gradients; its recompute repeats
+    the forward's ring traffic, or none with the policy (``dtensor_ring.comm.TRAFFIC``)."""
+    def run(**options):
+        model = hf.apply(copy.deepcopy(base), mesh, schedule="zigzag")
+        if options:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        TRAFFIC.clear()
+        out = model(input_ids=ids, labels=labels)
+        forward = TRAFFIC["bytes"]
+        out.loss.backward()
+        step = TRAFFIC["bytes"]
+        dr.dtensor.sync_gradients(model, mesh)
+        loss = out.loss.detach().double()
+        dist.all_reduce(loss, group=mesh.get_group())
+        return (loss / mesh.size(), _grads(model)), forward, step
+
+    _, forward, plain_step = run()
+    variants = {"non-reentrant": dict(use_reentrant=False), "reentrant": dict(use_reentrant=True),
+                "selective": dict(use_reentrant=False,
+                                  context_fn=dr.save_ring_attention_context)}
+    for name, options in variants.items():
+        result, _, step = run(**options)
+        loss_err, worst, grad_err = _worst(result, reference)
+        extra, want = step - plain_step, 0 if name == "selective" else forward
+        if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT and forward > 0
+                and extra == want):
+            failures.append(f"{label} gradient checkpointing {name}: loss {loss_err:.2e}, "
+                            f"worst grad {worst} {grad_err:.2e}, recompute traffic {extra} B "
+                            f"(want {want})")
 
 
 def _labels_matter(base, ids, labels, reference, world):

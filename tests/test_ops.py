@@ -34,6 +34,20 @@ def test_opcheck(group_name, schedule, is_causal):
                                                    *options))
 
 
+def test_opcheck_transposed_inputs(group_name):
+    """q/k/v as a model makes them, [B, S, H, D] transposed to [B, H, S, D] views: the fake
+    implementations must give the real outputs' strides (contiguous)."""
+    def transposed(x):
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    options = (group_name, "zigzag", True, 0.25, "cpu_flash", "fp32")
+    q, k, v = map(transposed, _inputs(False))
+    torch.library.opcheck(ops.ring_attention_fwd, (q, k, v, *options))
+    out, lse = ops.ring_attention_fwd(q, k, v, *options)
+    torch.library.opcheck(ops.ring_attention_bwd, (torch.randn_like(out), q, k, v, out, lse,
+                                                   *options))
+
+
 def _eager_and_op(group_name, precision, backend):
     """ring_attention's eager path (its own autograd.Function) and the custom op's, fwd and bwd."""
     group = dist.group.WORLD

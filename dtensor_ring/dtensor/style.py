@@ -20,7 +20,11 @@ Applied to a module, it
    local positions: give it a ``position_ids`` parameter (a warning says so at apply time);
 4. while the module runs, sends ``F.scaled_dot_product_attention`` on plain (local) tensors to
    ``ring_attention`` on the mesh (SDPA on sequence-sharded DTensors still goes through the SDPA
-   rule); tensor-parallel heads stay local to the TP rank and pass through.
+   rule); tensor-parallel heads stay local to the TP rank and pass through;
+5. routes the SDPA of its submodules the same way when they run outside its forward -- activation
+   checkpointing's recompute in the backward (``torch.utils.checkpoint``, reentrant or not,
+   ``checkpoint_wrapper``, selective checkpointing) -- and inside checkpointed regions under
+   ``torch.compile`` (``_route_submodule``, ``_checkpoint_routed``).
 
 Packed documents (``packed.py``): given ``cu_seqlens`` (a keyword the module's forward need not
 have) or ``position_ids`` that restart at 0 at each document (Hugging Face's convention), the
@@ -34,6 +38,7 @@ gradients must be averaged over the mesh dimension like a data-parallel one (``s
 FSDP/DDP over the combined data x context mesh). Labels must already be aligned with the inputs
 (shifted by the caller), since a shift inside the model would cross shard boundaries.
 """
+import functools
 import inspect
 import warnings
 
@@ -41,6 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo import config as dynamo_config
+from torch._higher_order_ops.wrap import tag_activation_checkpoint, wrap_activation_checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -66,15 +73,18 @@ class _SequenceSdpa(TorchFunctionMode):
     and so through the DTensor rule.
     """
 
-    def __init__(self, mesh: DeviceMesh, style: "ContextParallel", packed=None):
+    def __init__(self, mesh: DeviceMesh, style: "ContextParallel", packed=None, owner=None):
         super().__init__()
         self.mesh, self.style, self.packed = mesh, style, packed
+        self.owner = owner  # the submodule whose hooks entered it (_route_submodule); None: root
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return self._sdpa(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._sdpa(*args, **kwargs)
+        if func in _CHECKPOINT_HOPS:
+            return _checkpoint_routed(self, func, *args, **kwargs)
+        return func(*args, **kwargs)
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
@@ -98,6 +108,72 @@ class _SequenceSdpa(TorchFunctionMode):
                               backend=self.style.backend, dropout_p=dropout_p,
                               cu_seqlens=None if packed is None else packed.cu_seqlens,
                               max_seqlen=None if packed is None else packed.max_seqlen)
+
+
+# torch.utils.checkpoint as Dynamo traces it: a higher-order op whose first argument is the body.
+_CHECKPOINT_HOPS = (tag_activation_checkpoint, wrap_activation_checkpoint)
+
+
+def _checkpoint_routed(mode: _SequenceSdpa, hop, body, *args, **kwargs):
+    """A checkpointed region under ``torch.compile``, with the body's SDPA still routed.
+
+    Dynamo turns ``torch.utils.checkpoint.checkpoint`` into a higher-order op, which reaches the
+    mode like any function. A mode's handler runs with the mode popped, so calling the op from
+    here traced its body without the routing: its SDPA ran locally, a silent wrong result (seen on
+    torch 2.13: the loss of local attention, no ring node in the graph). The body re-enters the
+    mode itself. Dynamo counts that enter/exit as a side effect in a checkpointed region and
+    refuses it unless ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is
+    set, which ``ContextParallel`` sets when it is applied
+    (``_allow_routing_in_compiled_checkpoint``).
+    """
+    return hop(functools.partial(_run_in_mode, mode, body), *args, **kwargs)
+
+
+def _run_in_mode(mode, body, *args, **kwargs):
+    with mode:
+        return body(*args, **kwargs)
+
+
+def _allow_routing_in_compiled_checkpoint() -> None:
+    """Let ``_checkpoint_routed`` enter the routing inside a compiled checkpointed region.
+
+    Dynamo refuses any side effect there -- the mode's enter and exit included -- unless
+    ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` is set; the enter and
+    exit cancel, so there is nothing to replay in the backward. The flag is read while Dynamo
+    traces, and ``ContextParallel``'s hooks are traced too, so it is set here, when the style is
+    applied, for the process (as torchtitan does whenever it compiles). Its documented trade-off
+    then holds for the user's own code as well: a side effect inside a checkpointed, compiled
+    region (appending to a list, say) runs in the forward and is not replayed in the backward's
+    recompute, where without the flag Dynamo would refuse to compile it. On a torch without the
+    flag, compiling a checkpointed region of a ``ContextParallel`` module fails with Dynamo's
+    "HOP: Unsafe side effect" error instead of running its attention locally.
+    """
+    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def _routing_active() -> bool:
+    at, depth = torch._C._get_function_stack_at, torch._C._len_torch_function_stack()
+    return any(isinstance(at(i), _SequenceSdpa) for i in range(depth))
+
+
+def _top_mode():
+    depth = torch._C._len_torch_function_stack()
+    return torch._C._get_function_stack_at(depth - 1) if depth else None
+
+
+# torch.nn's own modules that can call SDPA (MultiheadAttention and the Transformer layers run
+# it) or that run other modules (Sequential); its others (Linear, norms, embeddings, ...) never do.
+_TORCH_MODULES_TO_ROUTE = (nn.Sequential, nn.MultiheadAttention, nn.TransformerEncoderLayer,
+                           nn.TransformerDecoderLayer, nn.TransformerEncoder,
+                           nn.TransformerDecoder, nn.Transformer)
+
+
+def _may_run_sdpa(module: nn.Module) -> bool:
+    """Whether ``module``'s forward can reach SDPA: any module of the user's (or a library's
+    other than torch), and the few of torch's that can."""
+    return (not type(module).__module__.startswith("torch.")
+            or isinstance(module, _TORCH_MODULES_TO_ROUTE))
 
 
 class ContextParallel(ParallelStyle):
@@ -128,6 +204,7 @@ class ContextParallel(ParallelStyle):
         if not isinstance(documents, bool):
             raise TypeError(f"documents must be a bool; got {documents!r}")
         self.documents = documents
+        self._packed = None  # the packed documents of the last forward (packed.py)
 
     def _register(self, mesh):
         set_sequence_schedule(mesh, self.schedule, precision=self.precision, backend=self.backend)
@@ -151,6 +228,7 @@ class ContextParallel(ParallelStyle):
             self._register(device_mesh)
             args, kwargs, packed = self._shard_inputs(list(params), args, kwargs, device_mesh,
                                                       fill)
+            self._packed = packed  # for the submodules' recompute (_route_submodule)
             mode = _SequenceSdpa(device_mesh, self, packed)
             mode.__enter__()
             modes.append(mode)
@@ -173,6 +251,10 @@ class ContextParallel(ParallelStyle):
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         module.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+        for submodule in module.modules():
+            if submodule is not module and _may_run_sdpa(submodule):
+                self._route_submodule(submodule, device_mesh)
+        _allow_routing_in_compiled_checkpoint()
         return module
 
     def _may_hold_documents(self, params, args, kwargs) -> bool:
@@ -183,6 +265,49 @@ class ContextParallel(ParallelStyle):
         named.update(kwargs)
         return (named.get("cu_seqlens") is not None
                 or isinstance(named.get(self.position_ids), torch.Tensor))
+
+    def _route_submodule(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        """Route ``module``'s SDPA to the ring whenever it runs with no routing active.
+
+        The routing is a function mode entered by the pre-hook of the module this style was
+        applied to and left by its post-hook, so it covers that module's forward only. Activation
+        checkpointing runs a checkpointed submodule's forward again during the backward, after the
+        post-hook: without these hooks that recompute ran plain local SDPA, which saves tensors of
+        other shapes (``torch.utils.checkpoint``'s "Recomputed values ... have different metadata"
+        error) or, with ``use_reentrant=True``, silently gave the gradients of local attention.
+        Hooking the submodules (rather than recording the routing in checkpoint's context) covers
+        every form of checkpointing that calls a module: ``checkpoint(block, ...)``,
+        ``checkpoint_wrapper``, reentrant or not, with any ``context_fn``, and a compiled block
+        checkpointed eagerly (``checkpoint(torch.compile(block), ...)``: Dynamo traces the hooks
+        and guards on the mode they enter). A checkpointed plain function that calls SDPA itself,
+        outside any submodule, is not covered; nor are modules added after the style is applied.
+
+        Inside the model's forward the routing is active and the hooks do nothing. A submodule
+        called on its own (outside the model's forward) runs its SDPA as the ring too: its inputs
+        are this rank's tokens, like the model's. Only modules that can reach SDPA are hooked
+        (``_may_run_sdpa``: not torch.nn's Linear, norms, embeddings ...); the two hooks cost
+        ~6 us per call of a hooked module in eager mode (a CPU core of this project's CI) and
+        nothing compiled. While the routing is active the hooks mutate
+        nothing, so Dynamo traces them inside checkpointed regions; the mode they enter remembers
+        its owner (which hook leaves it) and is kept in ``entered`` (Dynamo, compiling a hook as a
+        frame of its own, can only rebuild a mode left on the stack from a place that holds it).
+        """
+        entered = []
+
+        def pre_hook(mod, args):
+            if not _routing_active():  # the documents of the last forward (a recompute's)
+                mode = _SequenceSdpa(mesh, self, packed=self._packed, owner=mod)
+                mode.__enter__()
+                entered.append(mode)
+
+        def post_hook(mod, args, output):
+            top = _top_mode()
+            if isinstance(top, _SequenceSdpa) and top.owner is mod:
+                top.__exit__(None, None, None)
+                entered.pop()
+
+        module.register_forward_pre_hook(pre_hook)
+        module.register_forward_hook(post_hook, always_call=True)
 
     def _shard_inputs(self, names, args, kwargs, mesh, fill):
         named = dict(zip(names, args))
@@ -238,19 +363,42 @@ class ContextParallel(ParallelStyle):
         return positional, named, packed
 
 
+BUCKET_MB = 25  # sync_gradients' default bucket size (DDP's default too)
+
+
 @torch.no_grad()
-def sync_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
+def sync_gradients(module: nn.Module, mesh: DeviceMesh, *, bucket_mb: float = BUCKET_MB) -> None:
     """Average every parameter gradient over ``mesh`` (the context-parallel dimension), in fp32.
 
     Each rank's gradient comes from its own tokens only; with equal token counts the full-sequence
     gradient is the mean over the ranks. DTensor parameters (e.g. tensor parallel on another mesh
-    dimension) are averaged shard by shard.
+    dimension) are averaged shard by shard. The gradients travel in fp32 buckets of about
+    ``bucket_mb`` MiB, one all-reduce per bucket (a gradient larger than that is a bucket of its
+    own), in parameter order.
+
+    For training, prefer FSDP2 (``fully_shard``) or DDP over the data x context ranks, which
+    average the gradients over both at once and overlap that with the backward (see the guide);
+    this function is for a model with context parallelism only, or for checking.
     """
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be a positive number (MiB per bucket)")
     group = mesh.get_group()
+    world = dist.get_world_size(group)
+    limit = int(bucket_mb * 2 ** 20) // 4  # fp32 elements
+    buckets, filling = [], {}  # filling: device -> (its open bucket, its element count)
     for param in module.parameters():
         if param.grad is None:
             continue
         grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
-        total = grad.float()
-        dist.all_reduce(total, group=group)
-        grad.copy_(total / dist.get_world_size(group))
+        bucket, size = filling.get(grad.device, (None, 0))
+        if bucket is None or size + grad.numel() > limit:
+            bucket, size = [], 0
+            buckets.append(bucket)
+        bucket.append(grad)
+        filling[grad.device] = (bucket, size + grad.numel())
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1).float() for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            grad.copy_(part.view_as(grad))
