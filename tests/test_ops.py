@@ -40,7 +40,7 @@ def test_opcheck_transposed_inputs(group_name):
     def transposed(x):
         return x.transpose(1, 2).contiguous().transpose(1, 2)
 
-    options = (group_name, "zigzag", True, 0.25, "cpu_flash", "fp32")
+    options = (group_name, "zigzag", True, 0.25, "cpu_flash", "fp32", None, 0)
     q, k, v = map(transposed, _inputs(False))
     torch.library.opcheck(ops.ring_attention_fwd, (q, k, v, *options))
     out, lse = ops.ring_attention_fwd(q, k, v, *options)

@@ -98,12 +98,14 @@ class ForwardMerge:
         self.left -= 1
         if self.out is None:
             assert rows.indices(self.q.shape[2]) == (0, self.q.shape[2], 1), "first: every row"
-            self.out, self.lse = block_out, block_lse
+            # contiguous, as the custom op's fake promises (the CPU kernel's LSE is a transposed
+            # view, and an out may follow q's strides); cuDNN's and flash's already are
+            self.out, self.lse = block_out.contiguous(), block_lse.contiguous()
             return
         if self.accumulating and self.left:
             merge_(self.out[:, :, rows], self.lse[:, :, rows], block_out, block_lse)
             return
-        target = fp32_empty(self.q) if self.left else torch.empty_like(self.q)
+        target = fp32_empty(self.q, self.q.shape) if self.left else self.q.new_empty(self.q.shape)
         merge_into_(target, self.lse, self.out, self.lse, block_out, block_lse, rows)
         self.out, self.accumulating = target, bool(self.left)
 
