@@ -47,7 +47,7 @@ class BlockDiagonalSdpa(TorchFunctionMode):
             seq = args[0].shape[2]
             mask = self.same & torch.ones(seq, seq, dtype=torch.bool).tril() if causal else (
                 self.same)
-            return func(*args, attn_mask=mask, **kwargs)
+            return func(*args, attn_mask=mask.to(args[0].device), **kwargs)
         return func(*args, **kwargs)
 
 
