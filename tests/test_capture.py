@@ -92,15 +92,18 @@ def nccl_mesh():
 
 @pytest.mark.parametrize("schedule", ["zigzag", "llama3"])
 def test_ring_attention_on_a_nccl_group_replays_in_a_cuda_graph(nccl_mesh, schedule):
-    q, k, v, dout = (x.requires_grad_(i < 3) for i, x in enumerate(_inputs()))
+    q, k, v, dout = _inputs()
     cu = torch.tensor([0, 64, 256], dtype=torch.int32, device="cuda")
     for documents in (False, True):
         extra = dict(cu_seqlens=cu, max_seqlen=192) if documents else {}
 
         def step():
-            out = dr.ring_attention(q, k, v, mesh=nccl_mesh, schedule=schedule, is_causal=True,
+            # Leaves made per call, on the stream that runs it: a leaf made on another stream
+            # keeps that stream in its autograd node, which the capture may not touch.
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            out = dr.ring_attention(*leaves, mesh=nccl_mesh, schedule=schedule, is_causal=True,
                                     precision="exact", **extra)
-            return (out, *torch.autograd.grad(out, (q, k, v), dout))
+            return (out, *torch.autograd.grad(out, leaves, dout))
 
         first, second, replayed = _captured(step)
         for a, r in zip(first, replayed):
