@@ -122,6 +122,7 @@ def test_compiled_context_parallel_model_with_reduce_overhead(nccl_mesh):
     ids = torch.randint(0, 512, (2, 128), device="cuda")
 
     def step():
+        torch.compiler.cudagraph_mark_step_begin()  # a training step's start (CUDA graph trees)
         model.zero_grad(set_to_none=False)
         loss = compiled(ids, labels=ids).loss
         loss.backward()
