@@ -8,7 +8,7 @@ For W = 4 ranks and a 16-token sequence, one column per schedule:
    tests/test_docs.py checks the two agree);
 2. the causal attention matrix (q token x k token, natural order): colour = the rank that computes
    the pair, digit = the ring step at which it does (from the schedule's own block lists:
-   ``RingPass._blocks`` for ring/zigzag/stripe, ``llama3._blocks`` for llama3, which all-gathers
+   ``RingSchedule._blocks`` for ring/zigzag/stripe, ``llama3._blocks`` for llama3, which all-gathers
    K/V and has no steps);
 3. the (q, k) pairs each rank computes at each step: the load balance.
 
@@ -63,7 +63,7 @@ def _rank_blocks(schedule: str, rank: int, seq_len: int, world: int):
     comm = SimpleNamespace(rank=rank, world_size=world)
     out = []
     for step in range(world):
-        src = (rank - step) % world  # ring_pass.py: at step t rank r holds rank (r - t)'s K/V
+        src = (rank - step) % world  # ring.py: at step t rank r holds rank (r - t)'s K/V
         k_pos = sched.layout.positions(local, src, world).tolist()
         out += [(step, block, k_pos) for block in sched._blocks(comm, step, local, True, None)]
     return out

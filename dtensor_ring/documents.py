@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .validation import check_int, check_tensor
+from .validation import check_int, check_tensor, normalize_dim
 
 IGNORE_INDEX = -100  # the label of padding tokens (PyTorch's cross_entropy ignore_index)
 
@@ -40,19 +40,20 @@ class Documents:
     each). Not while a CUDA graph is captured or traced: a captured graph must derive them from
     the boundaries the tensor holds at each replay."""
 
-    def __init__(self, cu: torch.Tensor, max_len: int):
+    def __init__(self, cu: torch.Tensor, max_len: int, host: list[int] | None = None):
         self.cu, self.max_len = cu, max_len
+        self.host = host  # the boundaries as ints, where they were read without a device sync
         self._cache: dict = {}
 
     @classmethod
-    def of(cls, cu: torch.Tensor, max_len: int) -> "Documents":
+    def of(cls, cu: torch.Tensor, max_len: int, host: list[int] | None = None) -> "Documents":
         if (_is_traced(cu) or (cu.is_cuda and torch.cuda.is_current_stream_capturing())
                 or not isinstance(max_len, int)):
-            return cls(cu, max_len)
+            return cls(cu, max_len, host)
         key = (max_len, cu._version)
         held = getattr(cu, "_dtensor_ring_documents", None)
         if held is None or held[0] != key:
-            held = (key, cls(cu, max_len))
+            held = (key, cls(cu, max_len, host))
             cu._dtensor_ring_documents = held
         return held[1]
 
@@ -149,7 +150,7 @@ def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
         cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
     else:
         cu = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-    return Documents.of(cu, max_len)
+    return Documents.of(cu, max_len, values)
 
 
 def within_document(positions: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
@@ -188,7 +189,7 @@ def pad_documents(input_ids: torch.Tensor, cu_seqlens, *, multiple: int, labels=
     """
     check_tensor(input_ids, "input_ids")
     check_int(multiple, "multiple", 1, "a positive int (dr.document_multiple(schedule, world))")
-    dim %= input_ids.dim()
+    dim = normalize_dim(input_ids, dim)
     seq_len = input_ids.shape[dim]
     values = _host_values(cu_seqlens)
     if values is None:

@@ -7,7 +7,7 @@ import torch.distributed._functional_collectives as funcol
 from .documents import documents, within_document
 from .layouts import Layout, get_layout
 from .mesh import check_device, resolve_group
-from .validation import check_tensor
+from .validation import check_tensor, normalize_dim
 
 
 def rank_major_positions(layout: Layout, seq_len: int, world_size: int,
@@ -15,13 +15,6 @@ def rank_major_positions(layout: Layout, seq_len: int, world_size: int,
     """Global positions of all ranks' tokens, rank 0's first: the order of a concatenation of shards."""
     local = seq_len // world_size
     return torch.cat([layout.positions(local, r, world_size, docs) for r in range(world_size)])
-
-
-def normalize_dim(x: torch.Tensor, dim: int, arg: str = "dim") -> int:
-    """``dim`` of ``x`` as a non-negative index; ValueError if out of range."""
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{arg}={dim} is out of range for a tensor of shape {tuple(x.shape)}")
-    return dim % x.dim()
 
 
 def _group_of(mesh):

@@ -17,6 +17,13 @@ def check_tensor(x, arg: str) -> None:
         raise TypeError(f"{arg} must be a torch.Tensor; got {type(x).__name__}")
 
 
+def normalize_dim(x: torch.Tensor, dim: int, arg: str = "dim") -> int:
+    """``dim`` of ``x`` as a non-negative index; ValueError if out of range."""
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{arg}={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
 def check_qkv(q, k, v) -> None:
     """q [B, Hq, S, D]; k, v [B, Hkv, S, D] with Hq % Hkv == 0, one float dtype and one device."""
     for name, x in (("query", q), ("key", k), ("value", v)):
@@ -49,13 +56,18 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"key/value heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
 
 
+def check_precision(precision) -> None:
+    """``precision`` must be one of ``PRECISIONS`` (every entry point checks it through here)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported; valid: {list(PRECISIONS)}")
+
+
 def check_options(*, is_causal, scale, precision, attn_mask, dropout_p) -> None:
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool; got {is_causal!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale={scale!r} must be None or a positive number")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; valid: {list(PRECISIONS)}")
+    check_precision(precision)
     if attn_mask is not None:
         raise ValueError("attn_mask is not supported by the ring schedules (got a "
                          f"{type(attn_mask).__name__}); use is_causal=True or no mask")

@@ -65,6 +65,16 @@ def test_document_layouts_are_the_documented_ones():
         0, 1, 6, 7, 0, 3]
 
 
+def test_a_ring_step_with_no_shared_document_costs_no_kernel_call():
+    """Contiguous layout, boundaries on the host: rank 1 holding rank 0's keys computes a block
+    only if a document crosses from rank 0 to rank 1."""
+    layout = dr.LAYOUTS["contiguous"]
+    apart, crossing = _docs("contiguous", [0, 4, 8], 2), _docs("contiguous", [0, 6, 8], 2)
+    assert layout.ring_blocks(4, 1, 0, 2, True, apart) == []
+    assert len(layout.ring_blocks(4, 1, 0, 2, True, crossing)) == 1
+    assert len(layout.ring_blocks(4, 1, 1, 2, True, apart)) == 1  # its own keys: always
+
+
 @pytest.mark.parametrize("layout", sorted(dr.LAYOUTS))
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_every_position_is_held_once(layout, world):

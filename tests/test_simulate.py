@@ -13,7 +13,7 @@ from dtensor_ring.kernels.base import CAUSAL, NONE
 from dtensor_ring.kernels.cpu_flash import CpuFlash
 from dtensor_ring.layouts.base import Block
 from dtensor_ring.layouts.stripe import Stripe
-from dtensor_ring.schedules.ring_pass import RingPass
+from dtensor_ring.schedules.ring import RingSchedule
 from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs, ratios, rel_rms, sdpa
 
 
@@ -92,7 +92,7 @@ def test_an_off_by_one_causal_mask_fails_the_tolerance(dtype):
     q, k, v, dout = make_inputs(2, 4, 2, 64, 64)
     reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
     single = attention_and_grads(sdpa(True), q, k, v, dout, dtype)
-    wrong = RingPass("stripe", _OffByOneStripe())
+    wrong = RingSchedule("stripe", _OffByOneStripe())
     options = dict(is_causal=True, scale=64 ** -0.5, kernel=BACKENDS["cpu_flash"], docs=None)
     got = attention_and_grads(
         lambda a, b, c: dr.attention._SimulatedRing.apply(a, b, c, 4, wrong, options),

@@ -38,7 +38,7 @@ from torch._guards import TracingContext
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..schedules import get_schedule
-from ..validation import PRECISIONS
+from ..validation import check_precision
 
 DEFAULT_SCHEDULE = "ring"  # plain Shard(2): the contiguous layout
 
@@ -99,8 +99,7 @@ def set_sequence_schedule(mesh: DeviceMesh, schedule: str = "zigzag", *, mesh_di
     """Record that sequence shards on ``mesh``'s dimension ``mesh_dim`` are in ``schedule``'s
     layout, and that SDPA on them runs ``schedule`` with ``precision`` and ``backend``."""
     get_schedule(schedule)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; valid: {list(PRECISIONS)}")
+    check_precision(precision)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str; got {backend!r}")
     index = mesh_dim_index(mesh, mesh_dim)

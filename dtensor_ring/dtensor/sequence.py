@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..sharding import from_rank_major, shard_sequence
 from ..layouts import get_layout
-from ..validation import check_tensor
+from ..validation import check_tensor, normalize_dim
 from .placements import LAYOUT_TAG
 from .registry import dim_label, get_sequence_schedule, mesh_dim_index
 
@@ -30,9 +30,7 @@ def distribute_sequence(x: torch.Tensor, mesh, *, mesh_dim=None, dim: int = 2) -
     """The whole tensor ``x`` (the same on every rank) as a DTensor sequence-sharded along ``dim``
     on ``mesh_dim`` in that dimension's registered layout (contiguous if none is registered)."""
     check_tensor(x, "x")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
-    dim %= x.dim()
+    dim = normalize_dim(x, dim)
     index = mesh_dim_index(mesh, mesh_dim)
     entry = get_sequence_schedule(mesh, index)
     local = shard_sequence(x, _seq_submesh(mesh, index), dim=dim, layout=entry.layout)

@@ -17,6 +17,7 @@ else the math fallback (a dense mask per block); on CPU the CPU flash kernel wit
 """
 import torch
 
+from ..validation import check_precision
 from .base import BlockKernel
 from .cpu_flash import CpuFlash
 from .cuda import Cudnn, Flash
@@ -49,8 +50,7 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim:
     how a resolved kernel travels by name, e.g. through ``ops.py``); ``precision="exact"`` refuses
     the fp32 kernels, which round each block to 16 bits.
     """
-    if precision not in _REGISTRIES:
-        raise ValueError(f"precision={precision!r} is not supported; valid: {list(_REGISTRIES)}")
+    check_precision(precision)
     backends, order = _REGISTRIES[precision]
 
     def usable(kernel):

@@ -13,7 +13,9 @@ Rank 3 computes W blocks while rank 0 computes one: simple but unbalanced (see z
 Packed documents: the packed row is cut into W equal parts, so documents may cross ranks and need
 no particular lengths. Rank r's piece of document d is [cu[d] - rS, cu[d+1] - rS) clipped to
 [0, S); the blocks above become one varlen block each, whose segment d pairs rank r's piece of
-document d with src's piece (an empty piece: a segment with no rows or no keys).
+document d with src's piece (an empty piece: a segment with no rows or no keys). Where the
+boundaries are known on the host (given on the CPU), a step whose keys share no document with the
+rank's rows is skipped: no kernel call.
 """
 import torch
 
@@ -40,6 +42,8 @@ class Contiguous(Layout):
     def document_ring_blocks(self, local_len, rank, src, world_size, is_causal, docs):
         if is_causal and src > rank:
             return []
+        if docs.host is not None and not _share_a_document(docs.host, local_len, rank, src):
+            return []  # known on the host: this step's keys and rows share no document
 
         def pieces(holder):
             return docs.cached(("contiguous", local_len, holder), lambda: (
@@ -48,6 +52,14 @@ class Contiguous(Layout):
         longest = min(docs.max_len, local_len)
         segments = Segments(pieces(rank), pieces(src), longest, longest)
         return [whole(local_len, "causal" if is_causal and src == rank else "none", segments)]
+
+
+def _share_a_document(bounds: list[int], local_len: int, rank: int, src: int) -> bool:
+    """Whether some document has tokens on both ``rank`` and ``src`` (host boundaries)."""
+    def spans(holder):
+        lo, hi = holder * local_len, (holder + 1) * local_len
+        return {d for d, (a, b) in enumerate(zip(bounds, bounds[1:])) if a < hi and b > lo}
+    return bool(spans(rank) & spans(src))
 
 
 CONTIGUOUS = Contiguous()

@@ -2,12 +2,12 @@
 rule and the compile pass; ``get_schedule("auto")`` picks one of them from the head counts."""
 from ..layouts import CONTIGUOUS, STRIPE, ZIGZAG
 from .llama3 import Llama3
-from .ring_pass import RingPass
+from .ring import RingSchedule
 
 SCHEDULES = {
-    "ring": RingPass("ring", CONTIGUOUS),
-    "zigzag": RingPass("zigzag", ZIGZAG),
-    "stripe": RingPass("stripe", STRIPE),
+    "ring": RingSchedule("ring", CONTIGUOUS),
+    "zigzag": RingSchedule("zigzag", ZIGZAG),
+    "stripe": RingSchedule("stripe", STRIPE),
     "llama3": Llama3(),
 }
 

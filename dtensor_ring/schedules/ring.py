@@ -75,7 +75,7 @@ def _split_own_documents(block: Block, half: int) -> tuple[list[Block], list[Blo
             [Block(block.q, second, NONE, seg._replace(cu_k=(keys - half).clamp(min=0)))])
 
 
-class RingPass:
+class RingSchedule:
     exchange = "ring"
 
     def __init__(self, name: str, layout: Layout):
