@@ -2,6 +2,7 @@
 line per method, forward and forward+backward panels, one row of panels per kv-heads setting;
 CUDA-graph replays (--capture) as dotted lines with hollow markers. matplotlib is optional: ``plot``
 returns False without it (``bench/per_rank.py --plot-only JSON --plot PNG`` draws it later)."""
+from report import style_fraction_axes
 
 _COLORS = {"ring": "C0", "zigzag": "C1", "stripe": "C2", "llama3": "C3", "ideal": "k",
            "ideal_flash": "0.55"}
@@ -49,15 +50,7 @@ def plot(data, path) -> bool:
                 if pts:
                     ax.plot(*zip(*pts), line, marker="o", markersize=4, color=color,
                             markerfacecolor=fill if fill == "none" else color, label=label)
-            ax.axhline(1.0, color="grey", linewidth=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
-            ax.minorticks_off()
-            ax.set_ylim(0, 1.25)
-            ax.set_xlabel("tokens per GPU")
-            ax.set_ylabel("fraction of the ideal")
-            ax.set_title(f"{title}, {meta['heads']}/{kv} heads", fontsize=10)
-            ax.grid(alpha=0.3)
+            style_fraction_axes(ax, ticks, f"{title}, {meta['heads']}/{kv} heads")
         axes[i][1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"one rank of W={meta['world']} (communication replaced by ready buffers), "
                  f"{meta.get('gpu', meta.get('device'))}, d={meta['head_dim']}, {meta['dtype']}, "

@@ -35,3 +35,17 @@ def write_json(path, info, rows):
     with open(tmp, "w") as f:
         json.dump({"meta": info, "rows": rows}, f, indent=1)
     os.replace(tmp, path)
+
+
+def style_fraction_axes(ax, ticks, title, ylabel="fraction of the ideal"):
+    """The look the speed plots share: tokens per GPU on a log2 x axis, a fraction of the ideal
+    (0..1.25, a line at 1) on y."""
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_ylim(0, 1.25)
+    ax.set_xlabel("tokens per GPU")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)

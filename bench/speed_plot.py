@@ -9,6 +9,8 @@ optional: ``plot`` returns False without it."""
 import argparse
 import json
 
+from report import style_fraction_axes
+
 _COLORS = {"ring": "C0", "zigzag": "C1", "stripe": "C2", "llama3": "C3",
            "torch_cp_allgather": "C4", "torch_cp_alltoall": "C9", "ideal_flash": "0.5",
            "ideal_cudnn": "k", "ideal_cpu": "k"}
@@ -52,16 +54,8 @@ def plot(data, path) -> bool:
                 if nc:
                     ax.plot(*zip(*nc), "o", markersize=7, markerfacecolor="none", color=color,
                             label=f"{method} (non-causal)")
-            ax.axhline(1.0, color="grey", linewidth=0.8)
-            ax.set_xscale("log", base=2)
-            ticks = sorted({r["tokens_per_gpu"] for r in rows})
-            ax.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
-            ax.minorticks_off()
-            ax.set_ylim(0, 1.25)
-            ax.set_xlabel("tokens per GPU")
-            ax.set_ylabel("fraction of cuDNN ideal")
-            ax.set_title(f"{title}, {meta['heads']}/{kv} heads", fontsize=10)
-            ax.grid(alpha=0.3)
+            style_fraction_axes(ax, sorted({r["tokens_per_gpu"] for r in rows}),
+                                f"{title}, {meta['heads']}/{kv} heads", "fraction of cuDNN ideal")
         axes[i][1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle(f"W={meta['world_size']} {meta.get('gpu', meta.get('device'))}, "
                  f"d={meta['head_dim']}, bf16; torch {meta['torch']}, cuDNN {meta.get('cudnn')}; "
