@@ -1,6 +1,7 @@
 """dtensor_ring: ring attention (ring, zigzag, stripe, llama3) for sequence-sharded PyTorch models."""
 from .attention import ring_attention, simulate_ring
 from .checkpointing import save_ring_attention, save_ring_attention_context
+from . import flops  # noqa: F401 - FlopCounterMode formulas for the ring's ops
 from .documents import document_multiple, pad_documents
 from .dtensor import ContextParallel  # installs the DTensor SDPA rule
 from .kernels import BACKENDS

@@ -85,3 +85,23 @@ def test_traced_ring_attention_is_the_op(group_name):
     gm = make_fx(attend, tracing_mode="fake")(*_inputs(False))
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count("dtensor_ring.ring_attention_fwd.default") == 1, targets
+
+
+def test_flop_counter_counts_ring_attention(group_name):
+    """Under FlopCounterMode ring_attention runs its custom op (a dispatch mode is active), whose
+    formulas count as FlopCounterMode counts SDPA on CUDA: 2 matmuls of B*H*S_q*S_k*D forward,
+    5 backward (here W = 1, so S_k = S_q); the mode cannot see inside the op, so without the
+    formulas it counted 0."""
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, seq, head_dim = 1, 4, 8, 16
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, generator=gen, requires_grad=True)
+               for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        out = dtensor_ring.ring_attention(q, k, v, mesh=dist.group.WORLD, schedule="zigzag",
+                                          is_causal=True)
+        forward = counter.get_total_flops()
+        out.sum().backward()
+    matmul = 2 * batch * heads * seq * seq * head_dim
+    assert (forward, counter.get_total_flops()) == (2 * matmul, 7 * matmul)
