@@ -188,17 +188,19 @@ def _visible_in_documents(row_seg, row_lim, col_seg, cols, CAUSAL: tl.constexpr)
 
 
 @triton.jit
-def _documents_k_range(SegQ, CuK, m0, seq_q, row_lim, BLOCK_M: tl.constexpr,
-                       CAUSAL: tl.constexpr):
-    """The k cols the q tile at row m0 may see with documents: from its first row's segment's
-    first key to its last row's segment's last key (causal: no further than its rows' largest
-    limit; rows of different segments have unrelated limits)."""
+def _documents_q_tile(SegQ, LimQ, CuK, rows, m0, seq_q, BLOCK_M: tl.constexpr,
+                      CAUSAL: tl.constexpr):
+    """With documents, for the q tile at row m0: each row's segment and causal limit, and the k
+    cols [lo, hi) the tile may see: from its first row's segment's first key to its last row's
+    segment's last key (causal: no further than its rows' largest limit; rows of different
+    segments have unrelated limits)."""
+    row_seg, row_lim = _row_segments(SegQ, LimQ, rows, seq_q)
     last = tl.minimum(m0 + BLOCK_M, seq_q) - 1
     lo = tl.load(CuK + tl.load(SegQ + m0))
     hi = tl.load(CuK + tl.load(SegQ + last) + 1)
     if CAUSAL:
         hi = tl.minimum(hi, tl.max(row_lim, 0) + 1)
-    return lo, hi
+    return row_seg, row_lim, lo, hi
 
 
 @triton.jit
@@ -280,8 +282,8 @@ def _forward(Q, K, V, VAmax, Out, Lse, SegQ, LimQ, SegK, CuQ, CuK,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if DOCS:
-        row_seg, row_lim = _row_segments(SegQ, LimQ, rows, seq_q)
-        lo, hi = _documents_k_range(SegQ, CuK, m0, seq_q, row_lim, BLOCK_M, CAUSAL)
+        row_seg, row_lim, lo, hi = _documents_q_tile(SegQ, LimQ, CuK, rows, m0, seq_q, BLOCK_M,
+                                                     CAUSAL)
         acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd,
                                        rows, dims, lo, hi, seq_q, seq_k, offset, scale_log2,
                                        True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, True,
@@ -507,8 +509,8 @@ def _dq(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DQ, Out, SegQ, Lim
     lse2 = lse * _LOG2E
     scale_log2 = scale_log2 * _pow2(-e_q - e_k)
     if DOCS:
-        row_seg, row_lim = _row_segments(SegQ, LimQ, rows, seq_q)
-        lo, hi = _documents_k_range(SegQ, CuK, m0, seq_q, row_lim, BLOCK_M, CAUSAL)
+        row_seg, row_lim, lo, hi = _documents_q_tile(SegQ, LimQ, CuK, rows, m0, seq_q, BLOCK_M,
+                                                     CAUSAL)
         dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd,
                        rows, dims, lo, hi, seq_q, seq_k, offset, scale_log2, True, CAUSAL,
                        BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, True, SegK, row_seg, row_lim)
