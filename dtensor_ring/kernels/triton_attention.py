@@ -188,6 +188,19 @@ def _visible_in_documents(row_seg, row_lim, col_seg, cols, CAUSAL: tl.constexpr)
 
 
 @triton.jit
+def _seen_by_q_tile(rows, cols, seq_q, seq_k, offset, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
+                    SegK, row_seg, row_lim):
+    """[M, N]: which of a q tile's ``rows`` see which k ``cols`` (the forward's and dq's tiles)."""
+    if DOCS:
+        col_seg = tl.load(SegK + cols, mask=cols < seq_k, other=-2)
+        seen = _visible_in_documents(row_seg[:, None], row_lim[:, None], col_seg[None, :],
+                                     cols[None, :], CAUSAL)
+    else:
+        seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
+    return seen
+
+
+@triton.jit
 def _documents_q_tile(SegQ, LimQ, CuK, rows, m0, seq_q, BLOCK_M: tl.constexpr,
                       CAUSAL: tl.constexpr):
     """With documents, for the q tile at row m0: each row's segment and causal limit, and the k
@@ -234,12 +247,8 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows, d
         k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
         s = _dot(q, tl.trans(k), UPCAST)  # unscaled; the running max m_i is in log2 units
         if MASKED:
-            if DOCS:
-                col_seg = tl.load(SegK + cols, mask=cols < seq_k, other=-2)
-                seen = _visible_in_documents(row_seg[:, None], row_lim[:, None],
-                                             col_seg[None, :], cols[None, :], CAUSAL)
-            else:
-                seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
+            seen = _seen_by_q_tile(rows, cols, seq_q, seq_k, offset, CAUSAL, DOCS, SegK, row_seg,
+                                   row_lim)
             s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # scale > 0 (validation.check_options)
         m_use = m_new  # the unmasked tiles run first or after a seen tile: m_new is finite
@@ -451,12 +460,8 @@ def _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, s
         v = _load(v_base, cols, svn, seq_k, dims, svd, MASKED, HEAD_DIM, BLOCK_D)
         p = tl.exp2(_dot(q, tl.trans(k), UPCAST) * scale_log2 - lse2[:, None])
         if MASKED:
-            if DOCS:
-                col_seg = tl.load(SegK + cols, mask=cols < seq_k, other=-2)
-                seen = _visible_in_documents(row_seg[:, None], row_lim[:, None],
-                                             col_seg[None, :], cols[None, :], CAUSAL)
-            else:
-                seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
+            seen = _seen_by_q_tile(rows, cols, seq_q, seq_k, offset, CAUSAL, DOCS, SegK, row_seg,
+                                   row_lim)
             p = tl.where(seen, p, 0.0)
         ds = p * (_dot(do, tl.trans(v), UPCAST) * dp_scale[:, None] - delta[:, None])  # scaled
         dq = _dot_add(ds.to(tl.float16), k, dq, UPCAST)
