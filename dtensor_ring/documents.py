@@ -57,10 +57,6 @@ class Documents:
             cu._dtensor_ring_documents = held
         return held[1]
 
-    @property
-    def count(self) -> int:
-        return self.cu.shape[0] - 1
-
     def cached(self, key, make):
         if key not in self._cache:
             self._cache[key] = make()

@@ -14,14 +14,15 @@ CUDA-graph capture) and returns, as tensors on the inputs' device, what the rest
 needs: the index of this rank's tokens in the per-document layout, their positions within their
 documents, and the boundaries for ``ring_attention``. ``ContextParallel`` runs it outside
 ``torch.compile``'s graph: those tensors are graph inputs, so a batch with other boundaries (and
-another count of documents) does not recompile. The longest document's length, which sizes the varlen kernels' grids, goes
-in rounded up to a power of two, so graphs change only when it crosses one.
+another count of documents) does not recompile. The longest document's length, which sizes the
+varlen kernels' grids, goes in rounded up to a power of two, so graphs change only when it crosses
+one.
 """
 from typing import NamedTuple
 
 import torch
 
-from ..documents import check_boundaries, documents, within_document
+from ..documents import documents, within_document
 from ..layouts import Layout
 
 
@@ -70,12 +71,11 @@ def find_documents(cu_seqlens, position_ids, seq_dim: int, seq_len: int, layout:
             return None
     else:
         return None
-    multiple = layout.document_multiple(world)
-    check_boundaries(values, seq_len, multiple, layout.name)
-    docs = documents(torch.tensor(values, dtype=torch.int32), None, seq_len, multiple,
-                     layout.name, torch.device(device))
+    # documents() checks the boundaries (once) against the layout's multiple
+    docs = documents(values, None, seq_len, layout.document_multiple(world), layout.name,
+                     torch.device(device))
     index = layout.positions(seq_len // world, rank, world, docs)
-    longest = max(b - a for a, b in zip(values, values[1:]))
+    longest = docs.max_len
     bucket = min(seq_len, 1 << (longest - 1).bit_length())
     cu = docs.cu
     torch._dynamo.maybe_mark_dynamic(cu, 0)  # another count of documents: no recompile

@@ -93,6 +93,12 @@ def whole(local_len: int, mask: str, segments: Segments) -> Block:
     return Block(slice(0, local_len), slice(0, local_len), mask, segments)
 
 
+def local_bounds(docs, world_size):
+    """Each document's local rows on every rank (stripe and zigzag): [cu / W] (int32)."""
+    return docs.cached(("local_bounds", world_size), lambda: torch.div(
+        docs.cu, world_size, rounding_mode="floor").to(torch.int32))
+
+
 def doc_index(local_bounds: torch.Tensor, local_len: int):
     """For each local row: its document and its index within the document's local rows."""
     rows = torch.arange(local_len, device=local_bounds.device)

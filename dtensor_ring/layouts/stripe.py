@@ -30,7 +30,7 @@ block per document, as three segments, so that the q rows and key rows stay pack
 """
 import torch
 
-from .base import Block, Layout, Segments, doc_index, pairs, whole
+from .base import Block, Layout, Segments, doc_index, local_bounds, pairs, whole
 
 
 class Stripe(Layout):
@@ -65,12 +65,6 @@ class Stripe(Layout):
             pairs(starts, starts + 1, stops, last=bounds[-1]),
             pairs(starts, starts, stops - 1, last=bounds[-1])))
         return [whole(local_len, "causal", Segments(cu_q, cu_k, longest, longest))]
-
-
-def local_bounds(docs, world_size):
-    """Each document's local rows on every rank (stripe and zigzag): [cu / W] (int32)."""
-    return docs.cached(("local_bounds", world_size), lambda: torch.div(
-        docs.cu, world_size, rounding_mode="floor").to(torch.int32))
 
 
 STRIPE = Stripe()

@@ -33,8 +33,7 @@ with empty segments where a part takes no part, so that q rows and key rows stay
 """
 import torch
 
-from .base import Block, Layout, Segments, doc_index, pairs, whole
-from .stripe import local_bounds
+from .base import Block, Layout, Segments, doc_index, local_bounds, pairs, whole
 
 
 class Zigzag(Layout):

@@ -105,7 +105,7 @@ class ForwardMerge:
         if self.accumulating and self.left:
             merge_(self.out[:, :, rows], self.lse[:, :, rows], block_out, block_lse)
             return
-        target = fp32_empty(self.q, self.q.shape) if self.left else self.q.new_empty(self.q.shape)
+        target = fp32_empty(self.q) if self.left else self.q.new_empty(self.q.shape)
         merge_into_(target, self.lse, self.out, self.lse, block_out, block_lse, rows)
         self.out, self.accumulating = target, bool(self.left)
 

@@ -37,8 +37,8 @@ from torch._subclasses.fake_tensor import is_fake
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
-from ..layouts.base import pairs
-from ..layouts.stripe import local_bounds
+from ..layouts.base import local_bounds, pairs
+from ..sharding import rank_major_positions
 from .base import RowSums, attend_, block_backward, fp32_empty, result_out
 
 
@@ -98,8 +98,8 @@ def to_rank_major(natural: torch.Tensor, world: int) -> torch.Tensor:
 
 def _rank_major_positions(docs, world, local_len):
     """Natural positions of the gathered tokens, rank-major (rank 0's local tokens first)."""
-    return docs.cached(("llama3_rank_major", world, local_len), lambda: torch.cat(
-        [ZIGZAG.positions(local_len, r, world, docs) for r in range(world)]))
+    return docs.cached(("llama3_rank_major", world, local_len), lambda: rank_major_positions(
+        ZIGZAG, world * local_len, world, docs))
 
 
 def documents_to_natural(gathered: torch.Tensor, docs) -> torch.Tensor:
