@@ -60,6 +60,31 @@ def test_kernel_is_the_single_device_kernel(name, dtype, mask):
         assert x.dtype == dtype and rel_rms(x, ref) < limit
 
 
+def _seq_major(x):
+    """``x`` [B, H, S, D] with [B, S, H, D] memory: what a model's attention output and its
+    gradient usually are (projections in [B, S, H * D])."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("name,dtype", _params())
+def test_backward_does_not_depend_on_the_layout_of_dout_and_out(name, dtype):
+    # PyTorch keys its cuDNN backward plan on q, k, v only: after a call with contiguous dout
+    # and out, a [B, S, H, D]-memory dout or out used to give gradients off by more than 100%.
+    q, k, v, dout = (x.to(dtype) for x in _inputs(128, 128))
+    reference = _reference(*_inputs(128, 128), is_causal=True)[1:]
+    kernel, scale = BACKENDS[name], 64 ** -0.5
+    out, lse = kernel.forward(q, k, v, CAUSAL, scale)
+    first = kernel.backward(dout, q, k, v, out, lse, CAUSAL, scale)  # builds and caches plans
+    own = [rel_rms(g, ref) for g, ref in zip(first, reference)]
+    for layout, (d, o) in {"dout": (_seq_major(dout), out), "out": (dout, _seq_major(out)),
+                           "both": (_seq_major(dout), _seq_major(out))}.items():
+        grads = kernel.backward(d, q, k, v, o, lse, CAUSAL, scale)
+        for i, (g, ref) in enumerate(zip(grads, reference)):
+            assert rel_rms(g, ref) <= 1.05 * own[i] + FP32_FLOOR, (
+                f"{name}: gradient {i} with [B, S, H, D]-memory {layout}: rel-RMS "
+                f"{rel_rms(g, ref):.2e} against {own[i]:.2e} with contiguous ones")
+
+
 @pytest.mark.parametrize("name,dtype", _params())
 def test_bottom_right_causal_where_offered(name, dtype):
     kernel = BACKENDS[name]

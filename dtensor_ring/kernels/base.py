@@ -60,6 +60,13 @@ class BlockKernel:
     def backward(self, dout, q, k, v, out, lse, mask: str, scale: float, segments=None):
         raise NotImplementedError
 
+    def backward_layout(self, x: torch.Tensor, q: torch.Tensor, documents: bool) -> torch.Tensor:
+        """``x`` (dout or the merged out, [B, H, S, D] like the rank's ``q``) in the memory layout
+        this kernel's backward needs or reads without a copy; a schedule calls it once per
+        backward, on the whole tensors, so that no block copies it. ``documents``: the blocks
+        have segments. Default: ``x`` as it is."""
+        return x
+
     def backward_into(self, into: "tuple[Optional[Into], Optional[Into], Optional[Into]]",
                       dout, q, k, v, out, lse, mask: str, scale: float, segments=None):
         """(dq, dk, dv) as ``backward``, except that each with an ``Into`` goes into it and is

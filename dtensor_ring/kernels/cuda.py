@@ -76,7 +76,18 @@ class Cudnn(_CudaKernel):
             q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
         return out, lse.view(lse.shape[:3])  # cuDNN's LSE is [B, H, S, 1]
 
+    # PyTorch caches the cuDNN backward plan under the shapes and strides of q, k and v, not of
+    # dout and out (MHAParams). On an H100 (torch 2.11, cuDNN 9.19) a call whose dout or out had
+    # other strides than an earlier call with the same q, k, v got gradients off by more than
+    # 100%, silently (a compiled model hands dout in [B, S, H, D] memory). So dout and out always
+    # take q's strides, which the key holds: once per backward for the whole tensors
+    # (backward_layout), after which every block's slices already agree.
+
+    def backward_layout(self, x, q, documents):
+        return _strided_like(x, q)
+
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
+        dout, out = _strided_like(dout, q), _strided_like(out, q)  # no copy after backward_layout
         seed = offset = torch.empty(0, device=q.device)
         return _aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None,
@@ -131,6 +142,13 @@ class Flash(_CudaKernel):
                 lse[b].contiguous(), segments.cu_q, segments.cu_k, segments.max_q,
                 segments.max_k, 0.0, causal, unused_rng, unused_rng, scale=scale))
         return tuple(_stack([g[i].transpose(0, 1) for g in grads]) for i in range(3))
+
+
+def _strided_like(x, q):
+    """``x`` (q's shape) with q's strides: as it is if it has them, else a copy."""
+    if x.stride() == q.stride():
+        return x
+    return torch.empty_strided(q.shape, q.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _rows(x):

@@ -191,6 +191,7 @@ class Llama3:
                  docs=None):
         world = comm.world_size
         dout = dout.to(q.dtype)  # exact mode's is fp32 holding 16-bit values: one cast, lossless
+        dout, out = (kernel.backward_layout(x, q, docs is not None) for x in (dout, out))
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
         dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
         pending_kv, pending_grad = comm.all_gather(_kv_group(k, v, groups[0])), None

@@ -115,6 +115,7 @@ class RingSchedule:
                  docs=None):
         world, local_len = comm.world_size, q.shape[2]
         dout = dout.to(q.dtype)  # exact mode's is fp32 holding 16-bit values: one cast, lossless
+        dout, out = (kernel.backward_layout(x, q, docs is not None) for x in (dout, out))
         dq = RowSums(fp32_empty(q))
         dk_own, dv_own = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
 
