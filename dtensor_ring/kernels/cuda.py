@@ -120,6 +120,14 @@ class Flash(_CudaKernel):
     # segments, GQA and transposed views). Its causal mask is bottom-right aligned per segment.
     # A row that sees no key gets LSE +inf from the kernel: -inf here (the kernels' convention).
 
+    def backward_layout(self, x, q, documents):
+        # The varlen backward op copies dout and out to contiguous [S, H, D] on every call
+        # (PyTorch's _flash_attention_backward): here once per backward instead, and not at all
+        # when they are already (a model's attention output usually is: [B, S, H, D] memory seen
+        # as [B, H, S, D]). Measured on an H100 at 8K tokens, 32/8 heads: 10 copies, 0.73 ms of
+        # a zigzag rank's backward with packed documents.
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if documents else x
+
     def _varlen_forward(self, q, k, v, causal, scale, segments):
         # max_q >= 2: with max_q == 1 and GQA the op takes its decoding path, which assumes one
         # query per segment and fails on segments without rows (llama3's chunks of one token).
@@ -130,7 +138,9 @@ class Flash(_CudaKernel):
                 _rows(q[b]), _rows(k[b]), _rows(v[b]), segments.cu_q, segments.cu_k,
                 max_q, segments.max_k, 0.0, causal, False, scale=scale)[:2]
             outs.append(out.transpose(0, 1))
-            lses.append(lse.masked_fill(lse == float("inf"), float("-inf")))
+            # +inf -> -inf in one pass (-inf and nan kept as they are)
+            lses.append(torch.nan_to_num(lse, nan=float("nan"), posinf=float("-inf"),
+                                         neginf=float("-inf")))
         return _stack(outs), _stack(lses)
 
     def _varlen_backward(self, dout, q, k, v, out, lse, causal, scale, segments):

@@ -83,14 +83,17 @@ class Zigzag(Layout):
         if not is_causal or src == rank:
             mask = "causal" if is_causal else "none"
             return [whole(local_len, mask, Segments(bounds, bounds, longest, longest))]
-        starts, stops = bounds[:-1], bounds[1:]
-        mids = starts + (stops - starts) // 2
+        starts, stops = bounds[:-1], bounds[1:]  # views: the device work is in the lambdas
+
+        def mids():
+            return starts + (stops - starts) // 2
+
         if src < rank:
             cu_q, cu_k = docs.cached(("zigzag_early_keys", world_size), lambda: (
-                pairs(starts, stops, last=bounds[-1]), pairs(starts, mids, last=bounds[-1])))
+                pairs(starts, stops, last=bounds[-1]), pairs(starts, mids(), last=bounds[-1])))
             return [whole(local_len, "none", Segments(cu_q, cu_k, longest, longest // 2))]
         cu_q, cu_k = docs.cached(("zigzag_late_rows", world_size), lambda: (
-            pairs(starts, mids, last=bounds[-1]), pairs(starts, starts, last=bounds[-1])))
+            pairs(starts, mids(), last=bounds[-1]), pairs(starts, starts, last=bounds[-1])))
         return [whole(local_len, "none", Segments(cu_q, cu_k, longest // 2, longest))]
 
 
