@@ -13,6 +13,14 @@ def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, 
                         k[:, :, block.k], v[:, :, block.k], block.mask, scale, block.segments)
 
 
+def backward_operands(kernel: BlockKernel, dout, out, q, docs):
+    """A schedule's (dout, out) for its blocks' backward: dout in q's dtype (exact mode's is fp32
+    holding 16-bit values: one cast, lossless), and both in the layout the kernel's backward
+    needs (``BlockKernel.backward_layout``), once for the whole tensors."""
+    dout = dout.to(q.dtype)
+    return tuple(kernel.backward_layout(x, q, docs is not None) for x in (dout, out))
+
+
 def block_backward(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, scale: float,
                    dq: "RowSums", dk: "RowSums | None" = None, dv: "RowSums | None" = None):
     """The gradients of ``block``, its share of the full attention's: dq goes into ``dq``'s rows,

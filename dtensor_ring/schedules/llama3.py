@@ -39,7 +39,8 @@ from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
 from ..sharding import rank_major_positions
-from .base import RowSums, attend_, block_backward, fp32_empty, result_out
+from .base import (RowSums, attend_, backward_operands, block_backward, fp32_empty,
+                   result_out)
 
 
 def head_groups(kv_heads: int, world_size: int) -> list[slice]:
@@ -190,8 +191,7 @@ class Llama3:
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
                  docs=None):
         world = comm.world_size
-        dout = dout.to(q.dtype)  # exact mode's is fp32 holding 16-bit values: one cast, lossless
-        dout, out = (kernel.backward_layout(x, q, docs is not None) for x in (dout, out))
+        dout, out = backward_operands(kernel, dout, out, q, docs)
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
         dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
         pending_kv, pending_grad = comm.all_gather(_kv_group(k, v, groups[0])), None

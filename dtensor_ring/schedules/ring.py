@@ -40,7 +40,8 @@ import torch
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import Block, Layout
-from .base import ForwardMerge, RowSums, attend_, block_backward, fp32_empty
+from .base import (ForwardMerge, RowSums, attend_, backward_operands, block_backward,
+                   fp32_empty)
 
 
 def split_own(block: Block, masks) -> tuple[list[Block], list[Block]]:
@@ -114,8 +115,7 @@ class RingSchedule:
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
                  docs=None):
         world, local_len = comm.world_size, q.shape[2]
-        dout = dout.to(q.dtype)  # exact mode's is fp32 holding 16-bit values: one cast, lossless
-        dout, out = (kernel.backward_layout(x, q, docs is not None) for x in (dout, out))
+        dout, out = backward_operands(kernel, dout, out, q, docs)
         dq = RowSums(fp32_empty(q))
         dk_own, dv_own = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
 
