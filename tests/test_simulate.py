@@ -18,8 +18,9 @@ from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs
 
 
 def _check(schedule, world, dtype, *, is_causal=True, head_dim=64, q_heads=4, kv_heads=2,
-           local=16, scale=None, backend="auto", seed=0):
-    q, k, v, dout = make_inputs(2, q_heads, kv_heads, local * world, head_dim, seed)
+           local=16, scale=None, backend="auto", seed=0, device="cpu"):
+    q, k, v, dout = (x.to(device) for x in make_inputs(2, q_heads, kv_heads, local * world,
+                                                       head_dim, seed))
     reference = attention_and_grads(
         lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
             a, b, c, is_causal=is_causal, scale=scale, enable_gqa=True), q, k, v, dout,
@@ -71,13 +72,26 @@ class _SquareCausalOnly(CpuFlash):
     masks = (NONE, CAUSAL)
 
 
+@pytest.mark.parametrize("world,kv_heads", [(1, 2), (2, 1), (4, 2), (8, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_llama3_without_bottom_right_mask_splits_and_merges(monkeypatch, dtype):
+def test_llama3_without_bottom_right_mask_splits_and_merges(monkeypatch, world, kv_heads, dtype):
     monkeypatch.setitem(BACKENDS, _SquareCausalOnly.name, _SquareCausalOnly())
-    # The split path merges two blocks per q chunk in fp32: bf16 within the usual 1.25x; fp32
-    # within 1.2x (the merge's own rounding is of the order of the fp32 kernel's, 1.10-1.13x
-    # measured at W = 4), which is why kernels with the bottom-right mask skip it.
-    _check("llama3", 4, dtype, backend=_SquareCausalOnly.name, local=32, head_dim=64)
+    # The split path (the rank's own causal block, then up to two blocks per head group merged
+    # into it) merges in fp32: bf16 within the usual 1.25x; fp32 within 1.2x (the merge's own
+    # rounding is of the order of the fp32 kernel's, 1.10-1.13x measured at W = 4), which is why
+    # kernels with the bottom-right mask skip it. W = 1 and 2 have no X or no Y block on a rank.
+    _check("llama3", world, dtype, backend=_SquareCausalOnly.name, local=32, head_dim=64,
+           kv_heads=kv_heads)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU")
+@pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_schedules_on_the_cuda_kernels(schedule, world):
+    """bf16 on the kernel ``auto`` picks on a GPU (cuDNN on Hopper, whose square-only causal mask
+    sends llama3 down the split path), against float64 SDPA, as on the CPU."""
+    _check(schedule, world, torch.bfloat16, q_heads=8, kv_heads=2, local=256, head_dim=128,
+           device="cuda")
 
 
 class _OffByOneStripe(Stripe):

@@ -12,8 +12,17 @@ group up to the end of its own chunk (C = S_local / 2 tokens per chunk):
     q c     full                 causal (diagonal)
 
 With a kernel that offers the bottom-right causal mask that is one call per chunk and no merge.
-Otherwise the diagonal block starts the fp32 accumulator and the prefix merges into it (it is
-empty for c = 0). Non-causal: all q rows against all K, one block.
+Otherwise (cuDNN) the rank first attends its own K/V, all heads in one causal call before any
+gather (zigzag's first step: both diagonals, and chunk c1 seeing chunk c0), which starts the fp32
+accumulator; each group then adds the keys of the other ranks in two calls merged into it:
+
+    k (natural chunks):   0 .. r-1     r     r+1 .. 2W-2-r     2W-1-r     2W-r ..
+    q chunk r             X            own   .                 .          .
+    q chunk 2W-1-r        X            own   Y                 own        .
+
+X is empty on rank 0 and Y on rank W-1. That is 1 + 2 * groups kernel calls where per-chunk
+blocks took 4 * groups; per call the host spends about as long as an 8K-token block computes.
+Non-causal: all q rows against all K, one block.
 
 Backward: gather K/V again per group, compute dq (fp32, local) and dK/dV for the whole gathered
 sequence in fp32, and reduce-scatter that (fp32) back to the owners, overlapped with the next group.
@@ -152,21 +161,24 @@ def _document_blocks(rank, world, local_len, is_causal, docs):
 
 
 def _blocks(rank, world, local_len, is_causal, kernel, docs=None):
-    """(block, fresh) pairs in natural-order K; see the grid above."""
+    """(local, blocks): the block over the rank's own K/V, all heads (None if there is none), and
+    the (block, fresh) pairs over each group's natural-order K; see the grids above."""
     if docs is not None:
-        return _document_blocks(rank, world, local_len, is_causal, docs)
+        return None, _document_blocks(rank, world, local_len, is_causal, docs)
     if not is_causal:
-        return [(Block(slice(0, local_len), slice(0, world * local_len), NONE), True)]
-    half, blocks = local_len // 2, []
-    for j, chunk in enumerate((rank, 2 * world - 1 - rank)):
-        rows = slice(j * half, (j + 1) * half)
-        if CAUSAL_BOTTOM_RIGHT in kernel.masks:
-            blocks.append((Block(rows, slice(0, (chunk + 1) * half), CAUSAL_BOTTOM_RIGHT), True))
-            continue
-        blocks.append((Block(rows, slice(chunk * half, (chunk + 1) * half), CAUSAL), True))
-        if chunk:
-            blocks.append((Block(rows, slice(0, chunk * half), NONE), False))
-    return blocks
+        return None, [(Block(slice(0, local_len), slice(0, world * local_len), NONE), True)]
+    half, rows = local_len // 2, slice(0, local_len)
+    if CAUSAL_BOTTOM_RIGHT in kernel.masks:
+        return None, [(Block(slice(j * half, (j + 1) * half), slice(0, (chunk + 1) * half),
+                             CAUSAL_BOTTOM_RIGHT), True)
+                      for j, chunk in enumerate((rank, 2 * world - 1 - rank))]
+    blocks = []
+    if rank > 0:  # X
+        blocks.append((Block(rows, slice(0, rank * half), NONE), False))
+    if rank < world - 1:  # Y
+        blocks.append((Block(slice(half, local_len),
+                             slice((rank + 1) * half, (2 * world - 1 - rank) * half), NONE), False))
+    return Block(rows, rows, CAUSAL), blocks
 
 
 class Llama3:
@@ -176,7 +188,9 @@ class Llama3:
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
         out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])  # the fresh blocks cover every row
         pending = comm.all_gather(_kv_group(k, v, groups[0]))
-        blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal, kernel, docs)
+        local, blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal, kernel, docs)
+        if local is not None:  # while the first group is gathered
+            attend_(kernel, q, k, v, local, scale, out, lse, fresh=True)
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
@@ -195,7 +209,18 @@ class Llama3:
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
         dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
         pending_kv, pending_grad = comm.all_gather(_kv_group(k, v, groups[0])), None
-        blocks = _blocks(comm.rank, world, q.shape[2], is_causal, kernel, docs)
+        local, blocks = _blocks(comm.rank, world, q.shape[2], is_causal, kernel, docs)
+        if local is not None:  # writes every row of dq, dk and dv; the groups add to them
+            block_backward(kernel, dout, q, k, v, out, lse, local, scale, RowSums(dq),
+                           RowSums(dkv[0]), RowSums(dkv[1]))
+
+        def receive(heads):
+            share = _owned(pending_grad.wait(), docs)
+            if local is None:
+                dkv[:, :, heads] = share
+            else:
+                dkv[:, :, heads] += share
+
         for i, heads in enumerate(groups):
             gathered = pending_kv.wait()
             if i + 1 < len(groups):
@@ -203,18 +228,19 @@ class Llama3:
             k_all, v_all = _natural(gathered, docs)
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
             dkv_all = fp32_empty(q, (2, *k_all.shape))
-            sums = [RowSums(dq[:, q_heads]), RowSums(dkv_all[0]), RowSums(dkv_all[1])]
+            sums = [RowSums(dq[:, q_heads], written=local is not None), RowSums(dkv_all[0]),
+                    RowSums(dkv_all[1])]
             for block, _ in blocks:
                 block_backward(kernel, dout[:, q_heads], q[:, q_heads], k_all, v_all,
                                out[:, q_heads], lse[:, q_heads], block, scale, *sums)
             for row_sums in sums:
                 row_sums.result()  # rows no block reached (keys no local query sees): zero
             if pending_grad is not None:
-                dkv[:, :, groups[i - 1]] = _owned(pending_grad.wait(), docs)
+                receive(groups[i - 1])
             pending_grad = comm.reduce_scatter(
                 to_rank_major(dkv_all, world) if docs is None
                 else documents_to_rank_major(dkv_all, docs, world))
-        dkv[:, :, groups[-1]] = _owned(pending_grad.wait(), docs)
+        receive(groups[-1])
         # copy=True: dk and dv must not alias (one buffer) even when no cast is needed.
         return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
 
