@@ -8,7 +8,9 @@ import torch
 
 import dtensor_ring as dr
 from dist_utils import run_on_ranks
+from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs, ratios, sdpa
+from test_simulate import SquareCausalOnly
 
 CASES = list(itertools.product(sorted(dr.SCHEDULES), (True, False), (2, 4),
                                (torch.float32, torch.bfloat16)))
@@ -48,3 +50,33 @@ def _check_all_cases(mesh):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_schedule_matches_float64_on_every_rank(world_size):
     run_on_ranks(world_size, _check_all_cases)
+
+
+def _check_llama3_split(mesh):
+    BACKENDS[SquareCausalOnly.name] = SquareCausalOnly()  # this rank process's registry
+    world, rank = mesh.size(), mesh.get_local_rank()
+    for dtype in (torch.float32, torch.bfloat16):
+        where = f"rank {rank}/{world} llama3 {SquareCausalOnly.name} {dtype}"
+        q, k, v, dout = make_inputs(2, 4, 2, 64 * world, 64, seed=world)
+        reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
+        single = attention_and_grads(sdpa(True), q, k, v, dout, dtype)
+        options = dict(schedule="llama3", is_causal=True, backend=SquareCausalOnly.name)
+
+        def shard(x):
+            return dr.shard_sequence(x, mesh, layout="zigzag")
+
+        got = attention_and_grads(lambda a, b, c: dr.ring_attention(a, b, c, mesh=mesh, **options),
+                                  *map(shard, (q, k, v, dout)), dtype)
+        check_ratios(ratios(got, list(map(shard, single)), list(map(shard, reference))), dtype,
+                     where)
+        sim = attention_and_grads(lambda a, b, c: dr.simulate_ring(a, b, c, world_size=world,
+                                                                   **options), q, k, v, dout, dtype)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, sim):
+            assert torch.equal(a, shard(b)), f"{where}: {name} differs from simulate_ring"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_llama3_without_a_bottom_right_mask_on_gloo(world_size):
+    """llama3's path for kernels without the bottom-right mask (cuDNN): sequence-major messages
+    and its own reduce-scatter layout, on real collectives."""
+    run_on_ranks(world_size, _check_llama3_split)

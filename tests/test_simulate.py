@@ -66,7 +66,7 @@ def test_runs_at_64_simulated_ranks(schedule):
     assert worst <= 2.0, f"{schedule} at W=64: error ratio {worst:.3f}"
 
 
-class _SquareCausalOnly(CpuFlash):
+class SquareCausalOnly(CpuFlash):
     """The CPU kernel without the bottom-right mask, as cuDNN is: llama3 must split and merge."""
     name = "cpu_flash_square_causal_only"
     masks = (NONE, CAUSAL)
@@ -75,12 +75,12 @@ class _SquareCausalOnly(CpuFlash):
 @pytest.mark.parametrize("world,kv_heads", [(1, 2), (2, 1), (4, 2), (8, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_llama3_without_bottom_right_mask_splits_and_merges(monkeypatch, world, kv_heads, dtype):
-    monkeypatch.setitem(BACKENDS, _SquareCausalOnly.name, _SquareCausalOnly())
+    monkeypatch.setitem(BACKENDS, SquareCausalOnly.name, SquareCausalOnly())
     # The split path (the rank's own causal block, then up to two blocks per head group merged
     # into it) merges in fp32: bf16 within the usual 1.25x; fp32 within 1.2x (the merge's own
     # rounding is of the order of the fp32 kernel's, 1.10-1.13x measured at W = 4), which is why
     # kernels with the bottom-right mask skip it. W = 1 and 2 have no X or no Y block on a rank.
-    _check("llama3", world, dtype, backend=_SquareCausalOnly.name, local=32, head_dim=64,
+    _check("llama3", world, dtype, backend=SquareCausalOnly.name, local=32, head_dim=64,
            kv_heads=kv_heads)
 
 

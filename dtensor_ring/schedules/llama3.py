@@ -1,9 +1,9 @@
 """The Llama 3 schedule: zigzag layout, K/V all-gathered in groups of KV heads.
 
 Each rank gathers the whole K/V of a group of KV heads (post the next group's all-gather before
-computing this one, so the two overlap; two groups in flight bound the memory), puts the gathered
-chunks in natural order, and computes its two q chunks against the prefix each may see. Groups are
-disjoint heads, so no merge is needed across them.
+computing this one, so the two overlap; two groups in flight bound the memory) and computes its
+two q chunks against the keys each may see. Groups are disjoint heads, so no merge is needed
+across them. Two plans say which blocks, on which arrangement of the gathered K/V:
 
 Zigzag chunks held by rank r: c0 = r and c1 = 2W-1-r. q chunk c sees the natural-order K of the
 group up to the end of its own chunk (C = S_local / 2 tokens per chunk):
@@ -11,21 +11,27 @@ group up to the end of its own chunk (C = S_local / 2 tokens per chunk):
     k:      [0, cC)              [cC, (c+1)C)
     q c     full                 causal (diagonal)
 
-With a kernel that offers the bottom-right causal mask that is one call per chunk and no merge.
-Otherwise (cuDNN) the rank first attends its own K/V, all heads in one causal call before any
-gather (zigzag's first step: both diagonals, and chunk c1 seeing chunk c0), which starts the fp32
-accumulator; each group then adds the keys of the other ranks in two calls merged into it:
+``_NaturalOrder``: with a kernel that offers the bottom-right causal mask, the gathered chunks
+put in natural order and one call per chunk, no merge; also non-causal (all q rows against all K,
+one block) and packed documents (below).
+
+``_OwnThenOthers``: causal, for a kernel without that mask (cuDNN). The rank first attends its
+own K/V, all heads in one causal call before any gather (zigzag's first step: both diagonals, and
+chunk c1 seeing chunk c0), which starts the fp32 accumulator; each group then adds the keys of
+the other ranks in two non-causal calls merged into it:
 
     k (natural chunks):   0 .. r-1     r     r+1 .. 2W-2-r     2W-1-r     2W-r ..
     q chunk r             X            own   .                 .          .
     q chunk 2W-1-r        X            own   Y                 own        .
 
-X is empty on rank 0 and Y on rank W-1. That is 1 + 2 * groups kernel calls where per-chunk
-blocks took 4 * groups; per call the host spends about as long as an 8K-token block computes.
-Non-causal: all q rows against all K, one block.
+Y's keys are the whole shards of ranks r+1 .. W-1, X's the first halves of ranks 0 .. r-1; X is
+empty on rank 0 and Y on rank W-1. That is 1 + 2 * groups kernel calls in the forward and
+3 * groups in the backward (the own block per group there: see ``Llama3.backward``) where
+per-chunk blocks took 4 * groups (per call the host spends about as long as an 8K-token block
+computes), and no natural order to build.
 
-Backward: gather K/V again per group, compute dq (fp32, local) and dK/dV for the whole gathered
-sequence in fp32, and reduce-scatter that (fp32) back to the owners, overlapped with the next group.
+Backward: gather K/V again per group, compute dq (fp32, local) and dK/dV for the gathered keys
+in fp32, and reduce-scatter that (fp32) back to the owners, overlapped with the next group.
 Groups: min(Hkv, W), so a gathered group is about the size of the local K/V.
 
 Packed documents (``docs``): the gathered K/V go to natural order through an index (documents
@@ -130,11 +136,6 @@ def documents_to_rank_major(natural: torch.Tensor, docs, world: int) -> torch.Te
     return taken.view(world, local_len, *taken.shape[1:])
 
 
-def _kv_group(k, v, heads: slice) -> torch.Tensor:
-    """K and V of a group of kv heads as one [2, B, Hg, S, D] message (one copy)."""
-    return torch.stack([k[:, heads], v[:, heads]])
-
-
 def _document_blocks(rank, world, local_len, is_causal, docs):
     """(block, fresh) pairs with documents; see the module docstring."""
     rows, keys = slice(0, local_len), slice(0, world * local_len)
@@ -160,25 +161,143 @@ def _document_blocks(rank, world, local_len, is_causal, docs):
                                                              docs.max_len)), False)]
 
 
-def _blocks(rank, world, local_len, is_causal, kernel, docs=None):
-    """(local, blocks): the block over the rank's own K/V, all heads (None if there is none), and
-    the (block, fresh) pairs over each group's natural-order K; see the grids above."""
-    if docs is not None:
-        return None, _document_blocks(rank, world, local_len, is_causal, docs)
-    if not is_causal:
-        return None, [(Block(slice(0, local_len), slice(0, world * local_len), NONE), True)]
-    half, rows = local_len // 2, slice(0, local_len)
-    if CAUSAL_BOTTOM_RIGHT in kernel.masks:
-        return None, [(Block(slice(j * half, (j + 1) * half), slice(0, (chunk + 1) * half),
-                             CAUSAL_BOTTOM_RIGHT), True)
-                      for j, chunk in enumerate((rank, 2 * world - 1 - rank))]
-    blocks = []
-    if rank > 0:  # X
-        blocks.append((Block(rows, slice(0, rank * half), NONE), False))
-    if rank < world - 1:  # Y
-        blocks.append((Block(slice(half, local_len),
-                             slice((rank + 1) * half, (2 * world - 1 - rank) * half), NONE), False))
-    return Block(rows, rows, CAUSAL), blocks
+class _NaturalOrder:
+    """Each gathered group put in natural order (with documents through an index), and the
+    blocks of the grids above on it: bottom-right causal per chunk, non-causal, documents."""
+
+    local = None  # no block on the rank's own K/V alone
+
+    def __init__(self, rank, world, local_len, is_causal, docs):
+        self.world, self.docs = world, docs
+        half = local_len // 2
+        if docs is not None:
+            self.blocks = _document_blocks(rank, world, local_len, is_causal, docs)
+        elif not is_causal:
+            self.blocks = [(Block(slice(0, local_len), slice(0, world * local_len), NONE), True)]
+        else:
+            self.blocks = [(Block(slice(j * half, (j + 1) * half), slice(0, (chunk + 1) * half),
+                                  CAUSAL_BOTTOM_RIGHT), True)
+                           for j, chunk in enumerate((rank, 2 * world - 1 - rank))]
+
+    @staticmethod
+    def message(k, v, heads: slice) -> torch.Tensor:
+        """K and V of a group of kv heads as one [2, B, Hg, S, D] message (one copy)."""
+        return torch.stack([k[:, heads], v[:, heads]])
+
+    def _natural(self, gathered):
+        return (to_natural(gathered) if self.docs is None
+                else documents_to_natural(gathered, self.docs))
+
+    def forward_(self, kernel, q, gathered, scale, out, lse):
+        k_all, v_all = self._natural(gathered)
+        for block, fresh in self.blocks:
+            attend_(kernel, q, k_all, v_all, block, scale, out, lse, fresh)
+
+    def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
+        """dq into ``dq``; returns the group's dK/dV to reduce-scatter, rank-major."""
+        k_all, v_all = self._natural(gathered)
+        dkv_all = fp32_empty(q, (2, *k_all.shape))
+        sums = [dq, RowSums(dkv_all[0]), RowSums(dkv_all[1])]
+        for block, _ in self.blocks:
+            block_backward(kernel, dout, q, k_all, v_all, out, lse, block, scale, *sums)
+        for row_sums in sums[1:]:
+            row_sums.result()  # keys no local query sees: zero
+        if self.docs is None:
+            return to_rank_major(dkv_all, self.world)
+        return documents_to_rank_major(dkv_all, self.docs, self.world)
+
+    def owned(self, received):
+        """A reduce-scattered share as [2, B, Hg, S_local, D] (with documents it arrives as
+        [S_local, 2, B, Hg, D]: ``documents_to_rank_major``)."""
+        return received if self.docs is None else received.movedim(0, -2)
+
+
+class _OwnThenOthers:
+    """Causal, for a kernel without the bottom-right mask: the rank's own K/V in one causal block
+    (``local``), then per group X and Y of the grid above, on the gathered K/V as they arrive.
+
+    Messages are sequence-major, [S_local, 2, B, Hg, D], so that the gathered shards of ranks
+    r+1 .. W-1, Y's keys (their order does not matter: Y is not masked), are one strided view of
+    the gathered buffer, and X's keys (the first halves of ranks 0 .. r-1) one small copy;
+    natural order is never built. The backward writes Y's dK/dV straight into the buffer that is
+    reduce-scattered and copies X's into it."""
+
+    def __init__(self, rank, world, local_len, is_causal, docs):
+        self.rank, self.world, self.half = rank, world, local_len // 2
+        self.local = Block(slice(0, local_len), slice(0, local_len), CAUSAL)
+
+    @staticmethod
+    def message(k, v, heads: slice) -> torch.Tensor:
+        """K and V of a group of kv heads as one [S, 2, B, Hg, D] message (one copy)."""
+        return torch.stack([k[:, heads].permute(2, 0, 1, 3), v[:, heads].permute(2, 0, 1, 3)],
+                           dim=1)
+
+    def _x_keys(self, gathered):
+        """[r * C, 2, B, Hg, D]: the first halves of ranks 0 .. r-1 (a copy), or None."""
+        if self.rank == 0:
+            return None
+        return gathered[:self.rank, :self.half].flatten(0, 1)  # reshape of a strided view: a copy
+
+    def _y_keys(self, gathered):
+        """[(W-1-r) * S_local, 2, B, Hg, D]: the shards of ranks r+1 .. W-1 (a view), or None."""
+        if self.rank == self.world - 1:
+            return None
+        return gathered[self.rank + 1:].flatten(0, 1)
+
+    def _blocks(self, gathered):
+        """(q rows, keys [S, 2, B, Hg, D]) of X and Y that are not empty."""
+        rows = (slice(0, 2 * self.half), slice(self.half, 2 * self.half))
+        keys = (self._x_keys(gathered), self._y_keys(gathered))
+        return [(r, kv) for r, kv in zip(rows, keys) if kv is not None]
+
+    def forward_(self, kernel, q, gathered, scale, out, lse):
+        for rows, kv in self._blocks(gathered):
+            k, v = _heads_major(kv)
+            attend_(kernel, q, k, v, Block(rows, slice(0, k.shape[2]), NONE), scale, out, lse,
+                    fresh=False)
+
+    def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
+        """dq into ``dq``; returns the group's dK/dV to reduce-scatter: [W, S_local, 2, B, Hg, D]
+        (the messages' layout)."""
+        r, half = self.rank, self.half
+        dkv_all = fp32_empty(gathered)
+        dkv_all[r].zero_()  # the local block's keys: their gradients stay on this rank
+        x_keys, y_keys = self._x_keys(gathered), self._y_keys(gathered)
+        if y_keys is not None:
+            k, v = _heads_major(y_keys)
+            dk_y, dv_y = _heads_major(dkv_all[r + 1:].flatten(0, 1))  # a view: written in place
+            block_backward(kernel, dout, q, k, v, out, lse,
+                           Block(slice(half, 2 * half), slice(0, k.shape[2]), NONE), scale, dq,
+                           RowSums(dk_y), RowSums(dv_y))
+        if x_keys is not None:
+            k, v = _heads_major(x_keys)
+            dk_x, dv_x = block_backward(kernel, dout, q, k, v, out, lse,
+                                        Block(slice(0, 2 * half), slice(0, k.shape[2]), NONE),
+                                        scale, dq)
+            firsts = dkv_all[:r, :half]  # [r, C, 2, B, Hg, D]
+            for i, grad in enumerate((dk_x, dv_x)):  # [B, Hg, r * C, D]
+                by_rank = grad.view(*grad.shape[:2], r, half, grad.shape[-1])
+                firsts[:, :, i].copy_(by_rank.permute(2, 3, 0, 1, 4))
+            dkv_all[:r, half:].zero_()  # the second halves of ranks 0 .. r-1: seen by no row
+        return dkv_all
+
+    @staticmethod
+    def owned(received):
+        """A reduce-scattered share, [S_local, 2, B, Hg, D], as [2, B, Hg, S_local, D]."""
+        return received.movedim(0, -2)
+
+
+def _heads_major(kv):
+    """[S, 2, B, Hg, D] -> (k, v) as [B, Hg, S, D] views."""
+    return tuple(kv[:, i].permute(1, 2, 0, 3) for i in range(2))
+
+
+def _plan_type(is_causal, kernel, docs):
+    """The plan class; constructed after the first gather is posted (with documents, building
+    the blocks takes device work)."""
+    if is_causal and docs is None and CAUSAL_BOTTOM_RIGHT not in kernel.masks:
+        return _OwnThenOthers
+    return _NaturalOrder
 
 
 class Llama3:
@@ -187,19 +306,18 @@ class Llama3:
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
         out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])  # the fresh blocks cover every row
-        pending = comm.all_gather(_kv_group(k, v, groups[0]))
-        local, blocks = _blocks(comm.rank, comm.world_size, q.shape[2], is_causal, kernel, docs)
-        if local is not None:  # while the first group is gathered
-            attend_(kernel, q, k, v, local, scale, out, lse, fresh=True)
+        plan_type = _plan_type(is_causal, kernel, docs)
+        pending = comm.all_gather(plan_type.message(k, v, groups[0]))
+        plan = plan_type(comm.rank, comm.world_size, q.shape[2], is_causal, docs)
+        if plan.local is not None:  # while the first group is gathered
+            attend_(kernel, q, k, v, plan.local, scale, out, lse, fresh=True)
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
-                pending = comm.all_gather(_kv_group(k, v, groups[i + 1]))
-            k_all, v_all = _natural(gathered, docs)
+                pending = comm.all_gather(plan.message(k, v, groups[i + 1]))
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
-            out_h, lse_h = out[:, q_heads], lse[:, q_heads]
-            for block, fresh in blocks:
-                attend_(kernel, q[:, q_heads], k_all, v_all, block, scale, out_h, lse_h, fresh)
+            plan.forward_(kernel, q[:, q_heads], gathered, scale, out[:, q_heads],
+                          lse[:, q_heads])
         return result_out(out, q, kernel), lse
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
@@ -208,49 +326,37 @@ class Llama3:
         dout, out = backward_operands(kernel, dout, out, q, docs)
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
         dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
-        pending_kv, pending_grad = comm.all_gather(_kv_group(k, v, groups[0])), None
-        local, blocks = _blocks(comm.rank, world, q.shape[2], is_causal, kernel, docs)
-        if local is not None:  # writes every row of dq, dk and dv; the groups add to them
-            block_backward(kernel, dout, q, k, v, out, lse, local, scale, RowSums(dq),
-                           RowSums(dkv[0]), RowSums(dkv[1]))
+        plan_type = _plan_type(is_causal, kernel, docs)
+        pending_kv, pending_grad = comm.all_gather(plan_type.message(k, v, groups[0])), None
+        plan = plan_type(comm.rank, world, q.shape[2], is_causal, docs)
 
         def receive(heads):
-            share = _owned(pending_grad.wait(), docs)
-            if local is None:
+            share = plan.owned(pending_grad.wait())
+            if plan.local is None:
                 dkv[:, :, heads] = share
             else:
                 dkv[:, :, heads] += share
 
         for i, heads in enumerate(groups):
+            q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
+            dq_heads = RowSums(dq[:, q_heads])
+            if plan.local is not None:
+                # The group's share of the rank's own block, while its K/V are gathered: every
+                # row of dq, dk and dv, which the others' blocks add to. Per group, not for all
+                # heads at once as in the forward: its backward's temporaries grow with the heads
+                # (cuDNN keeps dq in fp32 too), and at 8K tokens, 32/8 heads that raised the peak.
+                block_backward(kernel, dout[:, q_heads], q[:, q_heads], k[:, heads], v[:, heads],
+                               out[:, q_heads], lse[:, q_heads], plan.local, scale, dq_heads,
+                               RowSums(dkv[0][:, heads]), RowSums(dkv[1][:, heads]))
             gathered = pending_kv.wait()
             if i + 1 < len(groups):
-                pending_kv = comm.all_gather(_kv_group(k, v, groups[i + 1]))
-            k_all, v_all = _natural(gathered, docs)
-            q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
-            dkv_all = fp32_empty(q, (2, *k_all.shape))
-            sums = [RowSums(dq[:, q_heads], written=local is not None), RowSums(dkv_all[0]),
-                    RowSums(dkv_all[1])]
-            for block, _ in blocks:
-                block_backward(kernel, dout[:, q_heads], q[:, q_heads], k_all, v_all,
-                               out[:, q_heads], lse[:, q_heads], block, scale, *sums)
-            for row_sums in sums:
-                row_sums.result()  # rows no block reached (keys no local query sees): zero
+                pending_kv = comm.all_gather(plan.message(k, v, groups[i + 1]))
+            dkv_all = plan.backward(kernel, dout[:, q_heads], q[:, q_heads], out[:, q_heads],
+                                    lse[:, q_heads], gathered, scale, dq_heads)
+            dq_heads.result()  # rows no block reached: zero
             if pending_grad is not None:
                 receive(groups[i - 1])
-            pending_grad = comm.reduce_scatter(
-                to_rank_major(dkv_all, world) if docs is None
-                else documents_to_rank_major(dkv_all, docs, world))
+            pending_grad = comm.reduce_scatter(dkv_all)
         receive(groups[-1])
         # copy=True: dk and dv must not alias (one buffer) even when no cast is needed.
         return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
-
-
-def _natural(gathered, docs):
-    """The gathered [W, 2, B, Hg, S_local, D] K/V as natural-order (k, v)."""
-    return to_natural(gathered) if docs is None else documents_to_natural(gathered, docs)
-
-
-def _owned(received, docs):
-    """A reduce-scattered dK/dV share as [2, B, Hg, S_local, D] (with documents it arrives as
-    [S_local, 2, B, Hg, D]: ``documents_to_rank_major``)."""
-    return received if docs is None else received.movedim(0, -2)
