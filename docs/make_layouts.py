@@ -8,7 +8,7 @@ For W = 4 ranks and a 16-token sequence, one column per schedule:
    tests/test_docs.py checks the two agree);
 2. the causal attention matrix (q token x k token, natural order): colour = the rank that computes
    the pair, digit = the ring step at which it does (from the schedule's own block lists:
-   ``RingSchedule._blocks`` for ring/zigzag/stripe, ``llama3._blocks`` for llama3, which all-gathers
+   ``RingSchedule._blocks`` for ring/zigzag/stripe, llama3's plan for llama3, which all-gathers
    K/V and has no steps);
 3. the (q, k) pairs each rank computes at each step: the load balance.
 
@@ -51,15 +51,30 @@ def _allowed(mask: str, n_q: int, n_k: int) -> torch.Tensor:
     raise ValueError(f"mask={mask!r} is not known")
 
 
-def _rank_blocks(schedule: str, rank: int, seq_len: int, world: int):
+def _llama3_blocks(rank: int, seq_len: int, world: int, kernel: str):
+    """llama3's blocks on ``kernel`` (its plan depends on the kernel's masks), each with the global
+    positions of the K rows it indexes. The gathered K/V handed to the plan hold positions."""
+    local = seq_len // world
+    plan = llama3.plan_class(True, BACKENDS[kernel], None)(rank, world, local, True, None)
+    if plan.local is None:  # K/V all-gathered into natural order: K row index = global position
+        return [(0, block, list(range(seq_len))) for block, _ in plan.blocks]
+    owners = token_owners("llama3", seq_len, world)
+    # [W, S_local, 2, B, Hg, D] as the messages arrive, K and V both holding positions
+    gathered = torch.tensor(owners).view(world, local, 1, 1, 1, 1).expand(-1, -1, 2, 1, 1, 1)
+    out = [(0, plan.local, owners[rank])]
+    for block_keys in (plan.x(gathered), plan.y(gathered)):
+        if block_keys is not None:
+            block, keys = block_keys
+            out.append((0, block, keys[:, 0].flatten().tolist()))
+    return out
+
+
+def _rank_blocks(schedule: str, rank: int, seq_len: int, world: int, kernel: str):
     """(step, block, global positions of the K rows the block indexes) for one rank, causal."""
+    if schedule == "llama3":
+        return _llama3_blocks(rank, seq_len, world, kernel)
     local = seq_len // world
     sched = SCHEDULES[schedule]
-    if schedule == "llama3":  # K/V all-gathered into natural order: K row index = global position
-        natural = list(range(seq_len))
-        kernel = BACKENDS["cpu_flash"]  # offers the bottom-right causal mask: one call per q chunk
-        return [(0, block, natural)
-                for block, _ in llama3._blocks(rank, world, local, True, kernel)]
     comm = SimpleNamespace(rank=rank, world_size=world)
     out = []
     for step in range(world):
@@ -69,14 +84,16 @@ def _rank_blocks(schedule: str, rank: int, seq_len: int, world: int):
     return out
 
 
-def causal_work(schedule: str, seq_len: int = SEQ, world: int = WORLD):
+def causal_work(schedule: str, seq_len: int = SEQ, world: int = WORLD, kernel: str = "cpu_flash"):
     """(rank, step): two [seq_len, seq_len] int tensors over (q token, k token) in natural order,
-    -1 where nothing is computed. Raises if the blocks do not cover the causal mask exactly once."""
+    -1 where nothing is computed. Raises if the blocks do not cover the causal mask exactly once.
+    ``kernel``: the block kernel llama3 plans for (the picture: CPU flash, which has the
+    bottom-right mask; "cudnn" gives the plan for a kernel without it)."""
     rank_of = torch.full((seq_len, seq_len), -1)
     step_of = torch.full((seq_len, seq_len), -1)
     owners = token_owners(schedule, seq_len, world)
     for rank in range(world):
-        for step, block, k_pos in _rank_blocks(schedule, rank, seq_len, world):
+        for step, block, k_pos in _rank_blocks(schedule, rank, seq_len, world, kernel):
             q_glob = torch.tensor(owners[rank][block.q])
             k_glob = torch.tensor(k_pos[block.k])
             keep = _allowed(block.mask, len(q_glob), len(k_glob))

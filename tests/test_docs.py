@@ -105,6 +105,17 @@ def test_drawn_causal_grid_is_the_ring(layouts, schedule):
         assert len(set(work.sum(1).tolist())) == 1  # balanced
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_llama3_plan_for_cudnn_covers_the_causal_mask_once(layouts, world):
+    """llama3 on a kernel without the bottom-right mask (cuDNN: own block, X, Y on the gathered
+    K/V as they arrive) computes every causal pair exactly once (``causal_work`` raises
+    otherwise), each rank its own q rows, as the natural-order plan does."""
+    seq = 4 * world
+    natural, _ = layouts.causal_work("llama3", seq, world)
+    own_then_others, _ = layouts.causal_work("llama3", seq, world, kernel="cudnn")
+    assert torch.equal(own_then_others, natural)
+
+
 def test_script_writes_the_png(layouts, tmp_path):
     pytest.importorskip("matplotlib")
     out = layouts.main([str(tmp_path / "sub" / "layouts.png")])

@@ -232,29 +232,27 @@ class _OwnThenOthers:
         return torch.stack([k[:, heads].permute(2, 0, 1, 3), v[:, heads].permute(2, 0, 1, 3)],
                            dim=1)
 
-    def _x_keys(self, gathered):
-        """[r * C, 2, B, Hg, D]: the first halves of ranks 0 .. r-1 (a copy), or None."""
+    def x(self, gathered):
+        """X: (block, keys [r * C, 2, B, Hg, D]: the first halves of ranks 0 .. r-1, a copy), or
+        None on rank 0."""
         if self.rank == 0:
             return None
-        return gathered[:self.rank, :self.half].flatten(0, 1)  # reshape of a strided view: a copy
+        keys = gathered[:self.rank, :self.half].flatten(0, 1)  # reshape of a strided view: a copy
+        return Block(slice(0, 2 * self.half), slice(0, keys.shape[0]), NONE), keys
 
-    def _y_keys(self, gathered):
-        """[(W-1-r) * S_local, 2, B, Hg, D]: the shards of ranks r+1 .. W-1 (a view), or None."""
+    def y(self, gathered):
+        """Y: (block, keys [(W-1-r) * S_local, 2, B, Hg, D]: the shards of ranks r+1 .. W-1, a
+        view), or None on rank W-1."""
         if self.rank == self.world - 1:
             return None
-        return gathered[self.rank + 1:].flatten(0, 1)
-
-    def _blocks(self, gathered):
-        """(q rows, keys [S, 2, B, Hg, D]) of X and Y that are not empty."""
-        rows = (slice(0, 2 * self.half), slice(self.half, 2 * self.half))
-        keys = (self._x_keys(gathered), self._y_keys(gathered))
-        return [(r, kv) for r, kv in zip(rows, keys) if kv is not None]
+        keys = gathered[self.rank + 1:].flatten(0, 1)
+        return Block(slice(self.half, 2 * self.half), slice(0, keys.shape[0]), NONE), keys
 
     def forward_(self, kernel, q, gathered, scale, out, lse):
-        for rows, kv in self._blocks(gathered):
-            k, v = _heads_major(kv)
-            attend_(kernel, q, k, v, Block(rows, slice(0, k.shape[2]), NONE), scale, out, lse,
-                    fresh=False)
+        for block_keys in (self.x(gathered), self.y(gathered)):
+            if block_keys is not None:
+                block, keys = block_keys
+                attend_(kernel, q, *_heads_major(keys), block, scale, out, lse, fresh=False)
 
     def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter: [W, S_local, 2, B, Hg, D]
@@ -262,17 +260,15 @@ class _OwnThenOthers:
         r, half = self.rank, self.half
         dkv_all = fp32_empty(gathered)
         dkv_all[r].zero_()  # the local block's keys: their gradients stay on this rank
-        x_keys, y_keys = self._x_keys(gathered), self._y_keys(gathered)
-        if y_keys is not None:
-            k, v = _heads_major(y_keys)
+        x, y = self.x(gathered), self.y(gathered)
+        if y is not None:
+            block, keys = y
             dk_y, dv_y = _heads_major(dkv_all[r + 1:].flatten(0, 1))  # a view: written in place
-            block_backward(kernel, dout, q, k, v, out, lse,
-                           Block(slice(half, 2 * half), slice(0, k.shape[2]), NONE), scale, dq,
+            block_backward(kernel, dout, q, *_heads_major(keys), out, lse, block, scale, dq,
                            RowSums(dk_y), RowSums(dv_y))
-        if x_keys is not None:
-            k, v = _heads_major(x_keys)
-            dk_x, dv_x = block_backward(kernel, dout, q, k, v, out, lse,
-                                        Block(slice(0, 2 * half), slice(0, k.shape[2]), NONE),
+        if x is not None:
+            block, keys = x
+            dk_x, dv_x = block_backward(kernel, dout, q, *_heads_major(keys), out, lse, block,
                                         scale, dq)
             firsts = dkv_all[:r, :half]  # [r, C, 2, B, Hg, D]
             for i, grad in enumerate((dk_x, dv_x)):  # [B, Hg, r * C, D]
@@ -288,11 +284,11 @@ class _OwnThenOthers:
 
 
 def _heads_major(kv):
-    """[S, 2, B, Hg, D] -> (k, v) as [B, Hg, S, D] views."""
+    """[S, 2, B, Hg, D] K/V -> (k, v) as [B, Hg, S, D] views."""
     return tuple(kv[:, i].permute(1, 2, 0, 3) for i in range(2))
 
 
-def _plan_type(is_causal, kernel, docs):
+def plan_class(is_causal, kernel, docs):
     """The plan class; constructed after the first gather is posted (with documents, building
     the blocks takes device work)."""
     if is_causal and docs is None and CAUSAL_BOTTOM_RIGHT not in kernel.masks:
@@ -306,9 +302,9 @@ class Llama3:
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
         out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])  # the fresh blocks cover every row
-        plan_type = _plan_type(is_causal, kernel, docs)
-        pending = comm.all_gather(plan_type.message(k, v, groups[0]))
-        plan = plan_type(comm.rank, comm.world_size, q.shape[2], is_causal, docs)
+        plan_cls = plan_class(is_causal, kernel, docs)
+        pending = comm.all_gather(plan_cls.message(k, v, groups[0]))
+        plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs)
         if plan.local is not None:  # while the first group is gathered
             attend_(kernel, q, k, v, plan.local, scale, out, lse, fresh=True)
         for i, heads in enumerate(groups):
@@ -326,9 +322,9 @@ class Llama3:
         dout, out = backward_operands(kernel, dout, out, q, docs)
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
         dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
-        plan_type = _plan_type(is_causal, kernel, docs)
-        pending_kv, pending_grad = comm.all_gather(plan_type.message(k, v, groups[0])), None
-        plan = plan_type(comm.rank, world, q.shape[2], is_causal, docs)
+        plan_cls = plan_class(is_causal, kernel, docs)
+        pending_kv, pending_grad = comm.all_gather(plan_cls.message(k, v, groups[0])), None
+        plan = plan_cls(comm.rank, world, q.shape[2], is_causal, docs)
 
         def receive(heads):
             share = plan.owned(pending_grad.wait())
