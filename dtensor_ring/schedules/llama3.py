@@ -17,9 +17,8 @@ one block) and packed documents (below).
 
 ``_OwnThenOthers``: causal, for a kernel without that mask (cuDNN). The rank first attends its
 own K/V, all heads in one causal call before any gather (zigzag's first step: both diagonals, and
-chunk c1 seeing chunk c0); each group then adds the keys of the other ranks in two non-causal
-calls, each merged with what the group has so far in one pass (the first into an fp32
-accumulator, the last straight into the output in q's dtype):
+chunk c1 seeing chunk c0), which starts the fp32 accumulator; each group then adds the keys of
+the other ranks in two non-causal calls merged into it:
 
     k (natural chunks):   0 .. r-1     r     r+1 .. 2W-2-r     2W-1-r     2W-r ..
     q chunk r             X            own   .                 .          .
@@ -54,7 +53,6 @@ from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
-from ..merge import merge_into_
 from ..sharding import rank_major_positions
 from .base import (RowSums, attend_, backward_operands, block_backward, fp32_empty,
                    result_out)
@@ -190,21 +188,10 @@ class _NaturalOrder:
         return (to_natural(gathered) if self.docs is None
                 else documents_to_natural(gathered, self.docs))
 
-    def start(self, kernel, q, k, v, scale):
-        """The forward's (out, lse) to fill group by group: fp32 (the fresh blocks cover every
-        row)."""
-        return fp32_empty(q), fp32_empty(q, q.shape[:3])
-
-    def forward_(self, kernel, q, gathered, scale, out, lse, heads: slice):
-        """The blocks of the group of q heads ``heads`` on its gathered K/V, into out/lse."""
+    def forward_(self, kernel, q, gathered, scale, out, lse):
         k_all, v_all = self._natural(gathered)
-        q, out, lse = q[:, heads], out[:, heads], lse[:, heads]
         for block, fresh in self.blocks:
             attend_(kernel, q, k_all, v_all, block, scale, out, lse, fresh)
-
-    @staticmethod
-    def result(kernel, q, out, lse):
-        return result_out(out, q, kernel), lse
 
     def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter, rank-major."""
@@ -261,31 +248,11 @@ class _OwnThenOthers:
         keys = gathered[self.rank + 1:].flatten(0, 1)
         return Block(slice(self.half, 2 * self.half), slice(0, keys.shape[0]), NONE), keys
 
-    def start(self, kernel, q, k, v, scale):
-        """Computes the own block, all heads in one call, while the first group is gathered;
-        returns the forward's (out, lse), which each group's last merge writes: out in q's
-        dtype (this plan serves fp32 mode only), so no fp32 out of every head and no cast."""
-        self.own = kernel.forward(q, k, v, self.local.mask, scale)
-        return q.new_empty(q.shape), fp32_empty(q, q.shape[:3])
-
-    def forward_(self, kernel, q, gathered, scale, out, lse, heads: slice):
-        """X and Y of the group of q heads ``heads``, merged with the own block straight into
-        out/lse: one pass over the group's rows per block, the first (of two) into an fp32
-        accumulator, the last into ``out``."""
-        merged, merged_lse = (x[:, heads] for x in self.own)
-        blocks = [b for b in (self.x(gathered), self.y(gathered)) if b is not None]
-        if not blocks:  # W = 1
-            out[:, heads], lse[:, heads] = merged, merged_lse
-        for i, (block, keys) in enumerate(blocks):
-            block_out, block_lse = kernel.forward(q[:, heads, block.q], *_heads_major(keys),
-                                                  NONE, scale)
-            target = out[:, heads] if i == len(blocks) - 1 else fp32_empty(merged)
-            merge_into_(target, lse[:, heads], merged, merged_lse, block_out, block_lse, block.q)
-            merged, merged_lse = target, lse[:, heads]
-
-    @staticmethod
-    def result(kernel, q, out, lse):
-        return out, lse
+    def forward_(self, kernel, q, gathered, scale, out, lse):
+        for block_keys in (self.x(gathered), self.y(gathered)):
+            if block_keys is not None:
+                block, keys = block_keys
+                attend_(kernel, q, *_heads_major(keys), block, scale, out, lse, fresh=False)
 
     def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter: [W, S_local, 2, B, Hg, D]
@@ -325,7 +292,6 @@ def plan_class(is_causal, kernel, docs):
     """The plan class; constructed after the first gather is posted (with documents, building
     the blocks takes device work)."""
     if is_causal and docs is None and CAUSAL_BOTTOM_RIGHT not in kernel.masks:
-        assert not kernel.exact, f"{kernel.name}: exact kernels offer the bottom-right mask"
         return _OwnThenOthers
     return _NaturalOrder
 
@@ -335,17 +301,20 @@ class Llama3:
 
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
+        out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])  # the fresh blocks cover every row
         plan_cls = plan_class(is_causal, kernel, docs)
         pending = comm.all_gather(plan_cls.message(k, v, groups[0]))
         plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs)
-        out, lse = plan.start(kernel, q, k, v, scale)
+        if plan.local is not None:  # while the first group is gathered
+            attend_(kernel, q, k, v, plan.local, scale, out, lse, fresh=True)
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
                 pending = comm.all_gather(plan.message(k, v, groups[i + 1]))
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
-            plan.forward_(kernel, q, gathered, scale, out, lse, q_heads)
-        return plan.result(kernel, q, out, lse)
+            plan.forward_(kernel, q[:, q_heads], gathered, scale, out[:, q_heads],
+                          lse[:, q_heads])
+        return result_out(out, q, kernel), lse
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
                  docs=None):
