@@ -16,32 +16,35 @@ CASES = list(itertools.product(sorted(dr.SCHEDULES), (True, False), (2, 4),
                                (torch.float32, torch.bfloat16)))
 
 
-def _check_all_cases(mesh):
+def _check_case(mesh, schedule, causal, kv_heads, dtype, seed, backend="auto"):
+    """One case on this rank: its shard of out, dq, dk, dv against float64 (AssertionError
+    naming the case otherwise), and the same bits as simulate_ring."""
     world, rank = mesh.size(), mesh.get_local_rank()
+    where = f"rank {rank}/{world} {schedule} causal={causal} kv_heads={kv_heads} {dtype}"
+    if backend != "auto":
+        where += f" {backend}"
+    q, k, v, dout = make_inputs(2, 4, kv_heads, 64 * world, 64, seed=seed)
+    reference = attention_and_grads(sdpa(causal), q, k, v, dout, torch.float64)
+    single = attention_and_grads(sdpa(causal), q, k, v, dout, dtype)
+    options = dict(schedule=schedule, is_causal=causal, backend=backend)
+
+    def shard(x):
+        return dr.shard_sequence(x, mesh, layout=dr.SCHEDULE_LAYOUT[schedule])
+
+    got = attention_and_grads(lambda a, b, c: dr.ring_attention(a, b, c, mesh=mesh, **options),
+                              *map(shard, (q, k, v, dout)), dtype)
+    check_ratios(ratios(got, list(map(shard, single)), list(map(shard, reference))), dtype, where)
+    sim = attention_and_grads(lambda a, b, c: dr.simulate_ring(a, b, c, world_size=world,
+                                                               **options), q, k, v, dout, dtype)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, sim):
+        assert torch.equal(a, shard(b)), f"{where}: {name} differs from simulate_ring"
+
+
+def _check_all_cases(mesh):
     failures = []
     for i, (schedule, causal, kv_heads, dtype) in enumerate(CASES):
-        where = f"rank {rank}/{world} {schedule} causal={causal} kv_heads={kv_heads} {dtype}"
-        q, k, v, dout = make_inputs(2, 4, kv_heads, 64 * world, 64, seed=i)
-        reference = attention_and_grads(sdpa(causal), q, k, v, dout, torch.float64)
-        single = attention_and_grads(sdpa(causal), q, k, v, dout, dtype)
-
-        def shard(x, schedule=schedule):
-            return dr.shard_sequence(x, mesh, layout=dr.SCHEDULE_LAYOUT[schedule])
-
-        def ring(a, b, c, schedule=schedule, causal=causal):
-            return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule, is_causal=causal)
-
-        def simulated(a, b, c, schedule=schedule, causal=causal):
-            return dr.simulate_ring(a, b, c, world_size=world, schedule=schedule,
-                                    is_causal=causal)
-
-        got = attention_and_grads(ring, *map(shard, (q, k, v, dout)), dtype)
         try:
-            check_ratios(ratios(got, list(map(shard, single)), list(map(shard, reference))),
-                         dtype, where)
-            sim = attention_and_grads(simulated, q, k, v, dout, dtype)
-            for name, a, b in zip(("out", "dq", "dk", "dv"), got, sim):
-                assert torch.equal(a, shard(b)), f"{where}: {name} differs from simulate_ring"
+            _check_case(mesh, schedule, causal, kv_heads, dtype, seed=i)
         except AssertionError as failure:
             failures.append(str(failure))
     assert not failures, "\n".join(failures)
@@ -54,25 +57,9 @@ def test_every_schedule_matches_float64_on_every_rank(world_size):
 
 def _check_llama3_split(mesh):
     BACKENDS[SquareCausalOnly.name] = SquareCausalOnly()  # this rank process's registry
-    world, rank = mesh.size(), mesh.get_local_rank()
     for dtype in (torch.float32, torch.bfloat16):
-        where = f"rank {rank}/{world} llama3 {SquareCausalOnly.name} {dtype}"
-        q, k, v, dout = make_inputs(2, 4, 2, 64 * world, 64, seed=world)
-        reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
-        single = attention_and_grads(sdpa(True), q, k, v, dout, dtype)
-        options = dict(schedule="llama3", is_causal=True, backend=SquareCausalOnly.name)
-
-        def shard(x):
-            return dr.shard_sequence(x, mesh, layout="zigzag")
-
-        got = attention_and_grads(lambda a, b, c: dr.ring_attention(a, b, c, mesh=mesh, **options),
-                                  *map(shard, (q, k, v, dout)), dtype)
-        check_ratios(ratios(got, list(map(shard, single)), list(map(shard, reference))), dtype,
-                     where)
-        sim = attention_and_grads(lambda a, b, c: dr.simulate_ring(a, b, c, world_size=world,
-                                                                   **options), q, k, v, dout, dtype)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, sim):
-            assert torch.equal(a, shard(b)), f"{where}: {name} differs from simulate_ring"
+        _check_case(mesh, "llama3", True, 2, dtype, seed=mesh.size(),
+                    backend=SquareCausalOnly.name)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
