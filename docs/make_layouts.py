@@ -62,11 +62,8 @@ def _llama3_blocks(rank: int, seq_len: int, world: int, kernel: str):
     # [W, S_local, 2, B, Hg, D] as the messages arrive, K and V both holding positions
     gathered = torch.tensor(owners).view(world, local, 1, 1, 1, 1).expand(-1, -1, 2, 1, 1, 1)
     out = [(0, plan.local, owners[rank])]
-    for block_keys in (plan.x(gathered), plan.y(gathered)):
-        if block_keys is not None:
-            block, keys = block_keys
-            out.append((0, block, keys[:, 0].flatten().tolist()))
-    return out
+    return out + [(0, block, keys[:, 0].flatten().tolist())
+                  for block, keys in plan.others(gathered)]
 
 
 def _rank_blocks(schedule: str, rank: int, seq_len: int, world: int, kernel: str):

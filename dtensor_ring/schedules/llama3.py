@@ -248,11 +248,13 @@ class _OwnThenOthers:
         keys = gathered[self.rank + 1:].flatten(0, 1)
         return Block(slice(self.half, 2 * self.half), slice(0, keys.shape[0]), NONE), keys
 
+    def others(self, gathered):
+        """X and Y where they are not empty: (block, keys) pairs."""
+        return [b for b in (self.x(gathered), self.y(gathered)) if b is not None]
+
     def forward_(self, kernel, q, gathered, scale, out, lse):
-        for block_keys in (self.x(gathered), self.y(gathered)):
-            if block_keys is not None:
-                block, keys = block_keys
-                attend_(kernel, q, *_heads_major(keys), block, scale, out, lse, fresh=False)
+        for block, keys in self.others(gathered):
+            attend_(kernel, q, *_heads_major(keys), block, scale, out, lse, fresh=False)
 
     def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter: [W, S_local, 2, B, Hg, D]
