@@ -41,9 +41,10 @@ class TorchFp32:
         lse.copy_(torch.maximum(lse, block_lse) + torch.log1p(small))
 
     @staticmethod
-    def merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows):
-        out, lse = a.float().clone(), a_lse.clone()
-        TorchFp32.merge_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+    def merge_many_(target, target_lse, first, first_lse, blocks):
+        out, lse = first.float().clone(), first_lse.clone()
+        for block_out, block_lse, rows in blocks:
+            TorchFp32.merge_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         target.copy_(out)
         target_lse.copy_(lse)
 
@@ -63,10 +64,10 @@ class TritonFp32:
         triton_merge.merge_(out, lse, block_out, block_lse)
 
     @staticmethod
-    def merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows):
+    def merge_many_(target, target_lse, first, first_lse, blocks):
         from . import triton_merge  # noqa: PLC0415
 
-        triton_merge.merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows)
+        triton_merge.merge_many_(target, target_lse, first, first_lse, blocks)
 
     @staticmethod
     def accumulate_(acc, x, add):
@@ -95,14 +96,20 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     _ops(out).merge_(out, lse, block_out, block_lse)
 
 
-def merge_into_(target: torch.Tensor, target_lse: torch.Tensor, a: torch.Tensor,
-                a_lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                rows: slice) -> None:
-    """``target`` = (``a``, ``a_lse``) merged with a block over rows ``rows`` of it, every row
-    written (rows outside the block: ``a``); ``target`` in any float dtype (the cast is the last
-    step), ``target_lse`` fp32 and may be ``a_lse`` (updated in place). ``a`` must not be
-    ``target``: for that, ``merge_``."""
-    _ops(target).merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows)
+MAX_BLOCKS = 3  # blocks ``merge_many_`` takes: with the first result, four in one pass
+
+
+def merge_many_(target: torch.Tensor, target_lse: torch.Tensor, first: torch.Tensor,
+                first_lse: torch.Tensor, blocks: list) -> None:
+    """``target`` = (``first``, ``first_lse``) merged with each of ``blocks``, in order, in one
+    pass: every row of ``target`` written once, the accumulation in fp32 registers, the cast to
+    ``target``'s dtype the last step. ``blocks``: up to ``MAX_BLOCKS`` (out, lse, rows), a
+    block's result for rows ``rows`` (a slice) of ``first``; rows outside a block are left as
+    they are by it. ``target`` may be ``first`` and ``target_lse`` may be ``first_lse`` (in
+    place); the merges are those of ``merge_`` in the same order, so the result is the same as
+    merging one block at a time into an fp32 accumulator."""
+    assert len(blocks) <= MAX_BLOCKS, f"{len(blocks)} blocks; merge_many_ takes {MAX_BLOCKS}"
+    _ops(target).merge_many_(target, target_lse, first, first_lse, blocks)
 
 
 def accumulate_(acc: torch.Tensor, x: torch.Tensor, add: bool) -> None:

@@ -1,31 +1,30 @@
 """The fp32 merge and accumulation of ``merge.py`` as Triton kernels: one pass over each tensor.
 
-``_merge``:
+``_merge_many``: target = first merged with up to three blocks in turn, each block the result for
+rows [r0, r1) of first (rows outside it are left as they are by it):
 
-    grid (row tiles of BLOCK_M, B * H): each program reads BLOCK_M rows of the fp32 accumulator
-    (out, lse) and of the block (block_out in any float dtype, block_lse fp32), writes back
+    grid (row tiles of BLOCK_M, B * H): each program reads BLOCK_M rows of first (out in any
+    float dtype, lse fp32) and of every block, merges in fp32 registers, block after block,
 
         e   = exp(-|lse - block_lse|)
         w   = sigmoid(block_lse - lse)  = (e if lse > block_lse else 1) / (1 + e)
         out = out - w * (out - block_out)
         lse = max(lse, block_lse) + log(1 + e)      (= lse - logsigmoid(lse - block_lse))
 
-Memory: out read and written once (fp32), block_out read once; the torch form makes ~8 passes.
+    and writes target (fp32, or the final 16-bit out: the cast is the last step) and its lse.
 
-``_merge_into``: the same merge written out of place over every row of a target (fp32, or the
-final 16-bit out): target = a merged with a block that covers rows [r0, r1) of it (rows outside it
-take a as is). The forward uses it to start its fp32 accumulator from the first two blocks (no
-separate copy of the first) and to write the last merge straight into the 16-bit result (no
-separate cast).
+The forward merges a step's blocks with it: its W results in one pass written over the first's
+(W <= 4), or, for more, one block at a time into an fp32 accumulator (``merge_`` is the in-place
+call with one block). The torch form makes ~8 passes per block.
 
 ``_accumulate``: acc = x, or acc += x (ADD), acc fp32, x any float dtype, same grid.
 
-Both update their tensors in place, and a 1-D row vector (lse) is held by several threads at once
-(Triton replicates it across the threads of the 2-D tile's rows): a thread that ran ahead could store
-the new lse before another thread holding the same row had loaded the old one, which then weighs
-that row of out wrongly. Measured on an H200: 6 of 3000 merges differed in a row while another
-stream loaded memory. So every load completes, in every thread,
-before the first store: a CTA barrier between them.
+Both may update their tensors in place, and a 1-D row vector (lse) is held by several threads at
+once (Triton replicates it across the threads of the 2-D tile's rows): a thread that ran ahead
+could store the new lse before another thread holding the same row had loaded the old one, which
+then weighs that row of out wrongly. Measured on an H200: 6 of 3000 merges differed in a row while
+another stream loaded memory. So every load completes, in every thread, before the first store: a
+CTA barrier between them.
 
 Tensors may be any strided views ([B, H, S, D] / [B, H, S]: the schedules merge row slices in
 place). ``block_lse = -inf`` (a row that saw no key in this block) leaves the row unchanged.
@@ -60,40 +59,39 @@ def merge_rows(out, lse, block_out, block_lse):
 
 
 @triton.jit
-def _merge(Out, Lse, BlockOut, BlockLse,
-           sob, soh, som, sod, slb, slh, slm, sbb, sbh, sbm, sbd, sxb, sxh, sxm,
-           heads, seq, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, h, rows, dims, row_ok, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
-    lse_ptrs = Lse + b * slb + h * slh + rows * slm
-    lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
-    block_lse = tl.load(BlockLse + b * sxb + h * sxh + rows * sxm, mask=row_ok, other=0.0)
-    out_ptrs = Out + b * sob + h * soh + rows[:, None] * som + dims[None, :] * sod
-    out = tl.load(out_ptrs, mask=tile_ok, other=0.0)
-    block_out = tl.load(BlockOut + b * sbb + h * sbh + rows[:, None] * sbm + dims[None, :] * sbd,
-                        mask=tile_ok, other=0.0).to(tl.float32)
-    tl.debug_barrier()  # in place: no thread stores before every thread has loaded (see above)
-    out, lse = merge_rows(out, lse, block_out, block_lse)
-    tl.store(out_ptrs, out, mask=tile_ok)
-    tl.store(lse_ptrs, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_into(Target, TargetLse, A, ALse, B, BLse,
-                stb, sth, stm, std, slb, slh, slm, sab, sah, sam, sad, sxb, sxh, sxm,
-                sbb, sbh, sbm, sbd, syb, syh, sym, r0, r1, heads, seq, head_dim,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, h, rows, dims, row_ok, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
-    a = tl.load(A + b * sab + h * sah + rows[:, None] * sam + dims[None, :] * sad, mask=tile_ok,
-                other=0.0).to(tl.float32)
-    a_lse = tl.load(ALse + b * sxb + h * sxh + rows * sxm, mask=row_ok, other=0.0)
+def _merged_with(out, lse, B, BLse, sbb, sbh, sbm, sbd, syb, syh, sym, r0, r1, b, h, rows, dims,
+                 row_ok, tile_ok):
+    """(out, lse) merged with the block over rows [r0, r1) (its rows counted from r0)."""
     in_block = row_ok & (rows >= r0) & (rows < r1)
     brows = rows - r0
     block = tl.load(B + b * sbb + h * sbh + brows[:, None] * sbm + dims[None, :] * sbd,
                     mask=in_block[:, None] & tile_ok, other=0.0).to(tl.float32)
     block_lse = tl.load(BLse + b * syb + h * syh + brows * sym, mask=in_block,
-                        other=float("-inf"))  # rows outside the block: a as is
-    tl.debug_barrier()  # TargetLse may be ALse (in place): every thread loads before any stores
-    out, lse = merge_rows(a, a_lse, block, block_lse)
+                        other=float("-inf"))  # rows outside the block: as they are
+    return merge_rows(out, lse, block, block_lse)
+
+
+@triton.jit
+def _merge_many(Target, TargetLse, A, ALse, B0, L0, B1, L1, B2, L2,
+                stb, sth, stm, std, slb, slh, slm, sab, sah, sam, sad, sxb, sxh, sxm,
+                s0b, s0h, s0m, s0d, t0b, t0h, t0m, r00, r01,
+                s1b, s1h, s1m, s1d, t1b, t1h, t1m, r10, r11,
+                s2b, s2h, s2m, s2d, t2b, t2h, t2m, r20, r21,
+                heads, seq, head_dim, BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    b, h, rows, dims, row_ok, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
+    out = tl.load(A + b * sab + h * sah + rows[:, None] * sam + dims[None, :] * sad,
+                  mask=tile_ok, other=0.0).to(tl.float32)
+    lse = tl.load(ALse + b * sxb + h * sxh + rows * sxm, mask=row_ok, other=0.0)
+    out, lse = _merged_with(out, lse, B0, L0, s0b, s0h, s0m, s0d, t0b, t0h, t0m, r00, r01, b, h,
+                            rows, dims, row_ok, tile_ok)
+    if BLOCKS > 1:
+        out, lse = _merged_with(out, lse, B1, L1, s1b, s1h, s1m, s1d, t1b, t1h, t1m, r10, r11,
+                                b, h, rows, dims, row_ok, tile_ok)
+    if BLOCKS > 2:
+        out, lse = _merged_with(out, lse, B2, L2, s2b, s2h, s2m, s2d, t2b, t2h, t2m, r20, r21,
+                                b, h, rows, dims, row_ok, tile_ok)
+    tl.debug_barrier()  # Target may be A (in place): every thread loads before any stores
     tl.store(Target + b * stb + h * sth + rows[:, None] * stm + dims[None, :] * std,
              out.to(Target.dtype.element_ty), mask=tile_ok)
     tl.store(TargetLse + b * slb + h * slh + rows * slm, lse, mask=row_ok)
@@ -119,21 +117,25 @@ def _grid(tensor):
 
 
 def merge_(out, lse, block_out, block_lse) -> None:
-    """``merge.merge_`` in one kernel launch (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
-    grid, blocks = _grid(out)
-    _merge[grid](out, lse, block_out, block_lse, *out.stride(), *lse.stride(),
-                 *block_out.stride(), *block_lse.stride(), *out.shape[1:], **blocks)
+    """``merge.merge_``: the block merged in place over every row of ``out``."""
+    merge_many_(out, lse, out, lse, [(block_out, block_lse, slice(0, out.shape[2]))])
 
 
-def merge_into_(target, target_lse, a, a_lse, block_out, block_lse, rows: slice) -> None:
-    """``merge.merge_into_`` in one kernel launch."""
-    grid, blocks = _grid(target)
-    _merge_into[grid](target, target_lse, a, a_lse, block_out, block_lse, *target.stride(),
-                      *target_lse.stride(), *a.stride(), *a_lse.stride(), *block_out.stride(),
-                      *block_lse.stride(), rows.start, rows.stop, *target.shape[1:], **blocks)
+def merge_many_(target, target_lse, first, first_lse, blocks) -> None:
+    """``merge.merge_many_`` in one kernel launch (1 to 3 blocks)."""
+    grid, meta = _grid(target)
+    per_block = []
+    for block_out, block_lse, rows in blocks + blocks[:1] * (3 - len(blocks)):  # unused: any
+        start, stop, _ = rows.indices(first.shape[2])
+        per_block.append(((block_out, block_lse),
+                          (*block_out.stride(), *block_lse.stride(), start, stop)))
+    _merge_many[grid](target, target_lse, first, first_lse, *(t for ts, _ in per_block for t in ts),
+                      *target.stride(), *target_lse.stride(), *first.stride(), *first_lse.stride(),
+                      *(x for _, xs in per_block for x in xs), *target.shape[1:],
+                      BLOCKS=len(blocks), **meta)
 
 
 def accumulate_(acc, x, add: bool) -> None:
     """``merge.accumulate_`` in one kernel launch."""
-    grid, blocks = _grid(acc)
-    _accumulate[grid](acc, x, *acc.stride(), *x.stride(), *acc.shape[1:], ADD=add, **blocks)
+    grid, meta = _grid(acc)
+    _accumulate[grid](acc, x, *acc.stride(), *x.stride(), *acc.shape[1:], ADD=add, **meta)

@@ -53,32 +53,61 @@ def test_triton_merge_is_the_torch_merge(dtype, head_dim):
 
 
 @pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.float32])
-def test_triton_merge_into_is_the_torch_one(target_dtype):
-    """Out of place, every row written: rows of the block merged, the others a as is (in the
-    target's dtype), the lse updated in place; against the torch form, and the rows outside the
-    block exactly a."""
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_triton_merge_many_is_the_torch_one(target_dtype, blocks, in_place):
+    """Every row written once: the rows of each block merged in turn, the others first's as they
+    are (in the target's dtype), the lse too; against the torch form, rows outside every block
+    exactly first's. In place: written over first (as the forward does, in q's dtype)."""
     gen = torch.Generator().manual_seed(3)
-    a = torch.randn(2, 3, 40, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
-    a_lse = (torch.randn(2, 3, 40, generator=gen) * 3).to(DEVICE)
-    block_out = torch.randn(2, 3, 20, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
-    block_lse = (torch.randn(2, 3, 20, generator=gen) * 3).to(DEVICE)
-    block_lse[0, 0, :2] = float("-inf")  # rows that saw no key in the block: unchanged
-    rows = slice(12, 32)
+    first = torch.randn(2, 3, 40, 16, generator=gen).to(target_dtype).to(DEVICE)
+    first_lse = (torch.randn(2, 3, 40, generator=gen) * 3).to(DEVICE)
+    spans = [slice(12, 32), slice(0, 40), slice(20, 30)][:blocks]  # overlapping, as steps do
+    parts = []
+    for rows in spans:
+        n = rows.stop - rows.start
+        block_lse = (torch.randn(2, 3, n, generator=gen) * 3).to(DEVICE)
+        block_lse[0, 0, :2] = float("-inf")  # rows that saw no key in the block: unchanged
+        parts.append((torch.randn(2, 3, n, 16, generator=gen).to(torch.bfloat16).to(DEVICE),
+                      block_lse, rows))
     results = []
     for impl in (TorchFp32, TritonFp32):
-        target = torch.empty(2, 3, 40, 16, dtype=target_dtype, device=DEVICE)
-        lse = a_lse.clone()
-        impl.merge_into_(target, lse, a, lse, block_out, block_lse, rows)
+        target = first.clone() if in_place else torch.empty_like(first)
+        lse = first_lse.clone()
+        impl.merge_many_(target, lse, target if in_place else first, lse, parts)
         results.append((target, lse))
     (t_torch, l_torch), (t_triton, l_triton) = results
     torch.testing.assert_close(t_triton.float(), t_torch.float(), rtol=2e-6 if target_dtype ==
                                torch.float32 else 1e-2, atol=1e-6)
     torch.testing.assert_close(l_triton, l_torch, rtol=2e-6, atol=1e-6)
     outside = torch.ones(40, dtype=torch.bool)
-    outside[rows] = False
-    assert torch.equal(t_triton[:, :, outside], a[:, :, outside].to(target_dtype))
-    assert torch.equal(t_triton[0, 0, 12:14], a[0, 0, 12:14].to(target_dtype))  # -inf rows
-    assert torch.equal(l_triton[0, 0, :12], a_lse[0, 0, :12])
+    for rows in spans:
+        outside[rows] = False
+    assert torch.equal(t_triton[:, :, outside], first[:, :, outside])
+    assert torch.equal(l_triton[:, :, outside], first_lse[:, :, outside])
+    if blocks == 1:  # rows 12, 13 saw no key in the only block
+        assert torch.equal(t_triton[0, 0, 12:14], first[0, 0, 12:14])
+
+
+def test_triton_merge_many_gives_the_bits_of_merging_one_block_at_a_time():
+    """The forward holds W <= 4 results and merges them in one pass: the same fp32 arithmetic,
+    in the same order, as merging each into an fp32 accumulator as it came."""
+    gen = torch.Generator().manual_seed(4)
+    first = torch.randn(1, 2, 64, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    first_lse = (torch.randn(1, 2, 64, generator=gen) * 3).to(DEVICE)
+    parts = [(torch.randn(1, 2, rows.stop - rows.start, 32, generator=gen).to(torch.bfloat16)
+              .to(DEVICE), (torch.randn(1, 2, rows.stop - rows.start, generator=gen) * 3)
+              .to(DEVICE), rows) for rows in (slice(0, 64), slice(32, 64), slice(0, 64))]
+    out, lse = first.float(), first_lse.clone()
+    for block_out, block_lse, rows in parts[:-1]:
+        triton_merge_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+    expected = torch.empty_like(first)  # the last merge writes q's dtype, as the forward's did
+    TritonFp32.merge_many_(expected, lse, out, lse, parts[-1:])
+    once, once_lse = first.clone(), first_lse.clone()
+    TritonFp32.merge_many_(once, once_lse, once, once_lse, parts)
+    assert torch.equal(once, expected) and torch.equal(once_lse, lse)
+    TritonFp32.merge_many_(once, once_lse, first, first_lse, parts[:2])  # a block left out shows
+    assert not torch.equal(once, expected)
 
 
 def test_triton_merge_of_split_keys_is_softmax_over_all_keys_in_float64():

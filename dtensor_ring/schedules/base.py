@@ -4,7 +4,7 @@ import torch
 from ..kernels import BlockKernel
 from ..kernels.base import Into
 from ..layouts import Block
-from ..merge import accumulate_, merge_, merge_into_
+from ..merge import MAX_BLOCKS, accumulate_, merge_, merge_many_
 
 
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):
@@ -91,14 +91,20 @@ class RowSums:
 
 class ForwardMerge:
     """The forward's (out, lse) over a known number of blocks, for a kernel that returns each
-    block's out in q's dtype (fp32 mode): the first block's result is kept as it is (it covers
-    every row), the second is merged with it into the fp32 accumulator in one pass over every
-    row (no separate copy of the first), later ones are merged in place, and the last is merged
-    straight into the result in q's dtype (no separate cast). One block: its result is the result.
-    Passes over out for W blocks: W - 1, where starting and casting an accumulator takes W + 1."""
+    block's out in q's dtype (fp32 mode). The first block's result covers every row.
+
+    Up to ``MAX_BLOCKS`` + 1 blocks (W <= 4): every result is held until the last, and all are
+    merged in one pass, written over the first block's (its out in q's dtype, its lse): one pass
+    over out, where merging as they come took W - 1, and no more memory: at most four results,
+    where merging as they come held the fp32 accumulator (two results' bytes), a result and the
+    first result or the output.
+
+    More blocks: merged as they come, the second with the first into an fp32 accumulator, later
+    ones in place, the last straight into the result in q's dtype (no separate cast)."""
 
     def __init__(self, q: torch.Tensor, blocks: int):
         self.q, self.left = q, blocks
+        self.held = [] if blocks <= MAX_BLOCKS + 1 else None  # None: merged as they come
         self.out = self.lse = None
         self.accumulating = False  # out is the fp32 accumulator (else the first block's out)
 
@@ -109,13 +115,17 @@ class ForwardMerge:
             # contiguous, as the custom op's fake promises (the CPU kernel's LSE is a transposed
             # view, and an out may follow q's strides); cuDNN's and flash's already are
             self.out, self.lse = block_out.contiguous(), block_lse.contiguous()
-            return
-        if self.accumulating and self.left:
+        elif self.held is not None:
+            self.held.append((block_out, block_lse, rows))
+            if not self.left:
+                merge_many_(self.out, self.lse, self.out, self.lse, self.held)
+                self.held = []
+        elif self.accumulating and self.left:
             merge_(self.out[:, :, rows], self.lse[:, :, rows], block_out, block_lse)
-            return
-        target = fp32_empty(self.q) if self.left else self.q.new_empty(self.q.shape)
-        merge_into_(target, self.lse, self.out, self.lse, block_out, block_lse, rows)
-        self.out, self.accumulating = target, bool(self.left)
+        else:
+            target = fp32_empty(self.q) if self.left else self.q.new_empty(self.q.shape)
+            merge_many_(target, self.lse, self.out, self.lse, [(block_out, block_lse, rows)])
+            self.out, self.accumulating = target, bool(self.left)
 
     def result(self):
         return self.out, self.lse

@@ -15,10 +15,11 @@ group up to the end of its own chunk (C = S_local / 2 tokens per chunk):
 put in natural order and one call per chunk, no merge; also non-causal (all q rows against all K,
 one block) and packed documents (below).
 
-``_OwnThenOthers``: causal, for a kernel without that mask (cuDNN). The rank first attends its
-own K/V, all heads in one causal call before any gather (zigzag's first step: both diagonals, and
-chunk c1 seeing chunk c0), which starts the fp32 accumulator; each group then adds the keys of
-the other ranks in two non-causal calls merged into it:
+``_OwnThenOthers``: causal, for a kernel without that mask (cuDNN; fp32 mode). The rank first
+attends its own K/V, all heads in one causal call before any gather (zigzag's first step: both
+diagonals, and chunk c1 seeing chunk c0); each group then adds the keys of the other ranks in two
+non-causal calls, merged with the own block's result in one pass written over it (its out in q's
+dtype: no fp32 out of every head, no cast):
 
     k (natural chunks):   0 .. r-1     r     r+1 .. 2W-2-r     2W-1-r     2W-r ..
     q chunk r             X            own   .                 .          .
@@ -53,6 +54,7 @@ from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
+from ..merge import merge_many_
 from ..sharding import rank_major_positions
 from .base import (RowSums, attend_, backward_operands, block_backward, fp32_empty,
                    result_out)
@@ -188,10 +190,20 @@ class _NaturalOrder:
         return (to_natural(gathered) if self.docs is None
                 else documents_to_natural(gathered, self.docs))
 
+    def start(self, kernel, q, k, v, scale):
+        """The forward's (out, lse) to fill group by group: fp32 (the fresh blocks cover every
+        row)."""
+        return fp32_empty(q), fp32_empty(q, q.shape[:3])
+
     def forward_(self, kernel, q, gathered, scale, out, lse):
+        """The blocks of a group of q heads on its gathered K/V, into its out/lse."""
         k_all, v_all = self._natural(gathered)
         for block, fresh in self.blocks:
             attend_(kernel, q, k_all, v_all, block, scale, out, lse, fresh)
+
+    @staticmethod
+    def result(kernel, q, out, lse):
+        return result_out(out, q, kernel), lse
 
     def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter, rank-major."""
@@ -252,9 +264,24 @@ class _OwnThenOthers:
         """X and Y where they are not empty: (block, keys) pairs."""
         return [b for b in (self.x(gathered), self.y(gathered)) if b is not None]
 
+    def start(self, kernel, q, k, v, scale):
+        """The own block, all heads in one call, while the first group is gathered: the
+        forward's (out, lse), which each group's merge overwrites with its final values."""
+        assert not kernel.exact, f"{kernel.name}: exact kernels offer the bottom-right mask"
+        out, lse = kernel.forward(q, k, v, self.local.mask, scale)
+        return out.contiguous(), lse.contiguous()
+
     def forward_(self, kernel, q, gathered, scale, out, lse):
-        for block, keys in self.others(gathered):
-            attend_(kernel, q, *_heads_major(keys), block, scale, out, lse, fresh=False)
+        """X and Y of a group of q heads, merged with the group's own-block result in one pass,
+        in place."""
+        blocks = [(*kernel.forward(q[:, :, block.q], *_heads_major(keys), NONE, scale), block.q)
+                  for block, keys in self.others(gathered)]
+        if blocks:  # none at W = 1
+            merge_many_(out, lse, out, lse, blocks)
+
+    @staticmethod
+    def result(kernel, q, out, lse):
+        return out, lse
 
     def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter: [W, S_local, 2, B, Hg, D]
@@ -303,12 +330,10 @@ class Llama3:
 
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
-        out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])  # the fresh blocks cover every row
         plan_cls = plan_class(is_causal, kernel, docs)
         pending = comm.all_gather(plan_cls.message(k, v, groups[0]))
         plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs)
-        if plan.local is not None:  # while the first group is gathered
-            attend_(kernel, q, k, v, plan.local, scale, out, lse, fresh=True)
+        out, lse = plan.start(kernel, q, k, v, scale)
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
@@ -316,7 +341,7 @@ class Llama3:
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
             plan.forward_(kernel, q[:, q_heads], gathered, scale, out[:, q_heads],
                           lse[:, q_heads])
-        return result_out(out, q, kernel), lse
+        return plan.result(kernel, q, out, lse)
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
                  docs=None):
