@@ -17,7 +17,7 @@ NAMES = {
         "(Flash_bwd_params)",
         "fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "_forward", "_dq", "_dkdv"],
     "merge/accumulation": [
-        "_merge", "_accumulate",
+        "_merge_many", "_accumulate",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
         "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, "
         "std::array<char*, 3ul>)"],
@@ -68,7 +68,7 @@ def test_trace_split_by_phase_and_kind():
             _x("cuda_driver", "cuLaunchKernel", base + 160, 5, correlation=c + 4),
             _x("cuda_runtime", "cudaMemsetAsync", base + 170, 5, correlation=c + 5),
             _x("kernel", NAMES["attention"][0], base + 400, 50, correlation=c + 1),
-            _x("kernel", "_merge", base + 450, 6, correlation=c + 2),
+            _x("kernel", "_merge_many", base + 450, 6, correlation=c + 2),
             _x("kernel", NAMES["copies"][1], base + 460, 4, correlation=c + 3),
             _x("kernel", "_dkdv", base + 470, 40, correlation=c + 4),
             _x("gpu_memset", "Memset (Device)", base + 510, 2, correlation=c + 5),
