@@ -10,7 +10,7 @@ other.
     copies               casts and copies (``.to``, ``.contiguous``, ``copy_``, stack/cat, index),
                          memcpy, and the exact mode's fp16 copies (Triton ``_to_fp16``)
     merge/accumulation   the fp32 merge and accumulation (Triton ``_merge_many``,
-                         ``_accumulate``), and
+                         ``_sum_many``), and
                          torch's elementwise add/sub/mul/div/sigmoid kernels (the final dK/dV add,
                          the torch form of the merge where Triton is missing)
     other                the rest, e.g. fills and memsets (``RowSums`` zeroing rows no block
@@ -31,7 +31,7 @@ KINDS = (
     # copies before merges: a copy kernel's templated name may hold "mul" or "div" (its offset
     # calculators), a merge kernel's never holds "copy"
     ("copies", r"^_to_fp16$|copy|catarray|memcpy|index|stack"),
-    ("merge/accumulation", r"^_(merge_many|accumulate)$|add|sub|mul|div|sigmoid"),
+    ("merge/accumulation", r"^_(merge_many|sum_many)$|add|sub|mul|div|sigmoid"),
 )
 OTHER = "other"
 KIND_NAMES = tuple(kind for kind, _ in KINDS) + (OTHER,)

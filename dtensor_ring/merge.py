@@ -13,7 +13,9 @@ written in the form that never overflows and loses least when one side dominates
 
 The accumulator (out, lse) is fp32 whatever the input dtype; the block is upcast as it is read.
 ``accumulate_`` copies (casts) a block's result into an fp32 accumulator or adds it there: the
-fp32 sums of the forward's first block and of the backward's gradients.
+fp32 sums of the forward's first block and of the backward's gradients. ``merge_many_`` and
+``sum_many_`` merge or add several results in one pass (the forward's W <= 4 blocks, the ring
+backward's own dK/dV with the accumulator that came home).
 
 Implementations, one per device kind (``FP32_OPS``): on CUDA Triton kernels (``triton_merge.py``:
 each one pass over its tensors; PyTorch's merge is ~8 elementwise kernels, and its 16-bit -> fp32
@@ -52,6 +54,13 @@ class TorchFp32:
     def accumulate_(acc, x, add):
         acc.add_(x) if add else acc.copy_(x)
 
+    @staticmethod
+    def sum_many_(target, parts):
+        acc = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+        for x, rows in parts:
+            acc[:, :, rows] += x
+        target.copy_(acc)
+
 
 class TritonFp32:
     """One Triton kernel per call (``triton_merge.py``), on CUDA tensors (or CPU under
@@ -74,6 +83,12 @@ class TritonFp32:
         from . import triton_merge  # noqa: PLC0415
 
         triton_merge.accumulate_(acc, x, add)
+
+    @staticmethod
+    def sum_many_(target, parts):
+        from . import triton_merge  # noqa: PLC0415
+
+        triton_merge.sum_many_(target, parts)
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -116,6 +131,19 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, add: bool) -> None:
     """``acc += x`` (``add``) or ``acc[...] = x``: ``acc`` fp32 [B, H, S, D] (views are fine),
     ``x`` of the same shape in any float dtype."""
     _ops(acc).accumulate_(acc, x, add)
+
+
+MAX_PARTS = 4  # parts ``sum_many_`` takes
+
+
+def sum_many_(target: torch.Tensor, parts: list) -> None:
+    """``target`` = the sum of ``parts`` in fp32, in order, in one pass, written once in
+    ``target``'s dtype. ``parts``: up to ``MAX_PARTS`` (x, rows), x the values of rows ``rows``
+    (a slice) of ``target``, in any float dtype; rows no part covers are 0. The sum starts at
+    the first part (0 + x is x), so it rounds as adding the parts one at a time to an fp32
+    accumulator does."""
+    assert len(parts) <= MAX_PARTS, f"{len(parts)} parts; sum_many_ takes {MAX_PARTS}"
+    _ops(target).sum_many_(target, parts)
 
 
 def init_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,

@@ -17,7 +17,10 @@ The forward merges a step's blocks with it: its W results in one pass written ov
 (W <= 4), or, for more, one block at a time into an fp32 accumulator (``merge_`` is the in-place
 call with one block). The torch form makes ~8 passes per block.
 
-``_accumulate``: acc = x, or acc += x (ADD), acc fp32, x any float dtype, same grid.
+``_sum_many``: target = the sum of up to four parts in fp32 registers, in order, each part the
+values of rows [r0, r1) of target (rows no part covers: 0), written once in target's dtype; same
+grid. ``accumulate_`` (acc = x, or acc += x: the part acc itself first, in place) and the ring
+backward's dK/dV of the rank's own blocks with the accumulator that comes home use it.
 
 Both may update their tensors in place, and a 1-D row vector (lse) is held by several threads at
 once (Triton replicates it across the threads of the 2-D tile's rows): a thread that ran ahead
@@ -98,16 +101,31 @@ def _merge_many(Target, TargetLse, A, ALse, B0, L0, B1, L1, B2, L2,
 
 
 @triton.jit
-def _accumulate(Acc, X, sab, sah, sam, sad, sxb, sxh, sxm, sxd, heads, seq, head_dim,
-                ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, h, rows, dims, _, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
-    acc_ptrs = Acc + b * sab + h * sah + rows[:, None] * sam + dims[None, :] * sad
-    x = tl.load(X + b * sxb + h * sxh + rows[:, None] * sxm + dims[None, :] * sxd, mask=tile_ok,
-                other=0.0).to(tl.float32)
-    if ADD:
-        x += tl.load(acc_ptrs, mask=tile_ok, other=0.0)
-        tl.debug_barrier()  # in place (see above)
-    tl.store(acc_ptrs, x, mask=tile_ok)
+def _plus(acc, P, spb, sph, spm, spd, r0, r1, b, h, rows, dims, row_ok, tile_ok):
+    """acc plus the part over rows [r0, r1) (its rows counted from r0)."""
+    in_part = row_ok & (rows >= r0) & (rows < r1)
+    return acc + tl.load(P + b * spb + h * sph + (rows - r0)[:, None] * spm + dims[None, :] * spd,
+                         mask=in_part[:, None] & tile_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sum_many(Target, P0, P1, P2, P3, stb, sth, stm, std,
+              s0b, s0h, s0m, s0d, r00, r01, s1b, s1h, s1m, s1d, r10, r11,
+              s2b, s2h, s2m, s2d, r20, r21, s3b, s3h, s3m, s3d, r30, r31,
+              heads, seq, head_dim, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    b, h, rows, dims, row_ok, tile_ok = _tile(heads, seq, head_dim, BLOCK_M, BLOCK_D)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc = _plus(acc, P0, s0b, s0h, s0m, s0d, r00, r01, b, h, rows, dims, row_ok, tile_ok)
+    if PARTS > 1:
+        acc = _plus(acc, P1, s1b, s1h, s1m, s1d, r10, r11, b, h, rows, dims, row_ok, tile_ok)
+    if PARTS > 2:
+        acc = _plus(acc, P2, s2b, s2h, s2m, s2d, r20, r21, b, h, rows, dims, row_ok, tile_ok)
+    if PARTS > 3:
+        acc = _plus(acc, P3, s3b, s3h, s3m, s3d, r30, r31, b, h, rows, dims, row_ok, tile_ok)
+    tl.debug_barrier()  # Target may be a part (in place): every thread loads before any stores
+    tl.store(Target + b * stb + h * sth + rows[:, None] * stm + dims[None, :] * std,
+             acc.to(Target.dtype.element_ty), mask=tile_ok)
 
 
 def _grid(tensor):
@@ -135,7 +153,19 @@ def merge_many_(target, target_lse, first, first_lse, blocks) -> None:
                       BLOCKS=len(blocks), **meta)
 
 
+def sum_many_(target, parts) -> None:
+    """``merge.sum_many_`` in one kernel launch (1 to 4 parts)."""
+    grid, meta = _grid(target)
+    per_part = []
+    for x, rows in parts + parts[:1] * (4 - len(parts)):  # unused slots: any tensor
+        start, stop, _ = rows.indices(target.shape[2])
+        per_part.append((x, (*x.stride(), start, stop)))
+    _sum_many[grid](target, *(x for x, _ in per_part), *target.stride(),
+                    *(a for _, args in per_part for a in args), *target.shape[1:],
+                    PARTS=len(parts), **meta)
+
+
 def accumulate_(acc, x, add: bool) -> None:
     """``merge.accumulate_`` in one kernel launch."""
-    grid, meta = _grid(acc)
-    _accumulate[grid](acc, x, *acc.stride(), *x.stride(), *acc.shape[1:], ADD=add, **meta)
+    every = slice(0, acc.shape[2])
+    sum_many_(acc, [(acc, every), (x, every)] if add else [(x, every)])

@@ -17,7 +17,7 @@ NAMES = {
         "(Flash_bwd_params)",
         "fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "_forward", "_dq", "_dkdv"],
     "merge/accumulation": [
-        "_merge_many", "_accumulate",
+        "_merge_many", "_sum_many",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
         "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, "
         "std::array<char*, 3ul>)"],

@@ -76,12 +76,12 @@ wait(1x2x16x8)""")
 
     def test_ring_causal_backward(self):
         self.assertExpectedInline(expanded("ring", True, True), """\
-  (3 ops)
+  (1 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (9 ops)
+  (7 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x8x8, 1x2x8x8, 1x4x8x8, 1x4x8, full)
-  (9 ops)
+  (5 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
@@ -105,12 +105,12 @@ wait(1x2x16x8)
 wait(1x2x16x8)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (22 ops)
+  (18 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x16x8, 1x2x16x8, 1x4x8x8, 1x4x8, mask)
-  (12 ops)
+  (6 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
-  (2 ops)""")
+  (40 ops)""")
 
     def test_ring_full_forward(self):
         self.assertExpectedInline(expanded("ring", False, False), """\
@@ -141,12 +141,12 @@ _scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
 
     def test_ring_full_backward(self):
         self.assertExpectedInline(expanded("ring", False, True), """\
-  (3 ops)
+  (1 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (9 ops)
+  (7 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x8x8, 1x2x8x8, 1x4x16x8, 1x4x16, full)
-  (9 ops)
+  (5 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
@@ -180,10 +180,10 @@ all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
   (6 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x8x8, 1x2x8x8, 1x4x16x8, 1x4x16, full)
-  (12 ops)
+  (6 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
-  (2 ops)""")
+  (44 ops)""")
 
     def test_zigzag_causal_forward(self):
         self.assertExpectedInline(expanded("zigzag", True, False), """\
@@ -214,12 +214,12 @@ _scaled_dot_product_flash_attention_for_cpu(1x4x8x8, 1x2x16x8, 1x2x16x8, full)
 
     def test_zigzag_causal_backward(self):
         self.assertExpectedInline(expanded("zigzag", True, True), """\
-  (3 ops)
+  (1 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (9 ops)
+  (7 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x8x8, 1x2x8x8, 1x4x8x8, 1x4x8, full)
-  (9 ops)
+  (5 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
@@ -251,12 +251,12 @@ wait(1x2x16x8)
   (6 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (22 ops)
+  (18 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x16x8, 1x2x16x8, 1x4x8x8, 1x4x8, mask)
-  (12 ops)
+  (6 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
-  (2 ops)""")
+  (40 ops)""")
 
     def test_zigzag_full_forward(self):
         self.assertExpectedInline(expanded("zigzag", False, False), """\
@@ -287,12 +287,12 @@ _scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
 
     def test_zigzag_full_backward(self):
         self.assertExpectedInline(expanded("zigzag", False, True), """\
-  (3 ops)
+  (1 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (9 ops)
+  (7 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x8x8, 1x2x8x8, 1x4x16x8, 1x4x16, full)
-  (9 ops)
+  (5 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
@@ -326,10 +326,10 @@ all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
   (6 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x8x8, 1x2x8x8, 1x4x16x8, 1x4x16, full)
-  (12 ops)
+  (6 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
-  (2 ops)""")
+  (44 ops)""")
 
     def test_stripe_causal_forward(self):
         self.assertExpectedInline(expanded("stripe", True, False), """\
@@ -360,12 +360,12 @@ _scaled_dot_product_flash_attention_for_cpu(1x4x15x8, 1x2x15x8, 1x2x15x8, causal
 
     def test_stripe_causal_backward(self):
         self.assertExpectedInline(expanded("stripe", True, True), """\
-  (3 ops)
+  (1 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (9 ops)
+  (7 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x8x8, 1x2x8x8, 1x4x8x8, 1x4x8, full)
-  (9 ops)
+  (5 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
@@ -397,12 +397,12 @@ wait(1x2x16x8)
   (6 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (22 ops)
+  (18 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x16x8, 1x2x16x8, 1x4x8x8, 1x4x8, mask)
-  (12 ops)
+  (6 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
-  (2 ops)""")
+  (40 ops)""")
 
     def test_stripe_full_forward(self):
         self.assertExpectedInline(expanded("stripe", False, False), """\
@@ -433,12 +433,12 @@ _scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, full)
 
     def test_stripe_full_backward(self):
         self.assertExpectedInline(expanded("stripe", False, True), """\
-  (3 ops)
+  (1 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (9 ops)
+  (7 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x8x8, 1x2x8x8, 1x4x16x8, 1x4x16, full)
-  (9 ops)
+  (5 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
@@ -472,10 +472,10 @@ all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
   (6 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x16x8, 1x4x16x8, 1x2x8x8, 1x2x8x8, 1x4x16x8, 1x4x16, full)
-  (12 ops)
+  (6 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
-  (2 ops)""")
+  (44 ops)""")
 
     def test_zigzag_causal_forward_with_documents(self):
         """One varlen block per step (the CPU kernel takes the segments as a mask), each
@@ -509,12 +509,12 @@ _scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, mask)
 
     def test_zigzag_causal_backward_with_documents(self):
         self.assertExpectedInline(expanded("zigzag", True, True, documents=True), """\
-  (7 ops)
+  (5 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (42 ops)
+  (40 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x8x8, 1x2x8x8, 1x4x8x8, 1x4x8, mask)
-  (9 ops)
+  (5 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
@@ -546,12 +546,12 @@ wait(1x2x16x8)
   (6 ops)
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
 all_to_all_single(1x2x16x8, [1, 0, 0, 0], [0, 0, 1, 0])
-  (43 ops)
+  (39 ops)
 _scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x16x8, 1x2x16x8, 1x4x8x8, 1x4x8, mask)
-  (12 ops)
+  (6 ops)
 wait(1x2x16x8)
 wait(1x2x16x8)
-  (2 ops)""")
+  (40 ops)""")
 
     def test_llama3_causal_forward_with_documents(self):
         self.assertExpectedInline(expanded("llama3", True, False, documents=True), """\

@@ -143,6 +143,31 @@ def test_triton_accumulate_is_the_torch_accumulate(dtype, add):
     assert torch.equal(got, expected)  # one fp32 rounding (add) or none (copy) either way
 
 
+@pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.float32])
+def test_triton_sum_many_is_the_torch_one(target_dtype):
+    """The ring backward's own dK/dV: parts over some rows (16-bit) and the accumulator that came
+    home (fp32, every row) summed in one pass, rows no part covers 0; the fp32 sum is the one of
+    adding the parts one at a time (bit for bit), and a part left out shows."""
+    gen = torch.Generator().manual_seed(5)
+    parts = [(torch.randn(2, 3, 20, 16, generator=gen).to(torch.bfloat16).to(DEVICE), slice(4, 24)),
+             (torch.randn(2, 3, 16, 16, generator=gen).to(torch.bfloat16).to(DEVICE),
+              slice(24, 40)),
+             (torch.randn(2, 3, 44, 16, generator=gen).to(DEVICE), slice(0, 44))]
+    one_at_a_time = torch.zeros(2, 3, 48, 16, device=DEVICE)
+    for x, rows in parts:
+        one_at_a_time[:, :, rows] += x.float()
+    for impl in (TorchFp32, TritonFp32):
+        target = torch.full((2, 3, 48, 16), float("nan"), dtype=target_dtype, device=DEVICE)
+        impl.sum_many_(target, parts)
+        if target_dtype == torch.float32:
+            assert torch.equal(target, one_at_a_time), impl.__name__
+        else:  # one rounding of the fp32 sum: within an ulp (the CPU interpreter truncates)
+            torch.testing.assert_close(target.float(), one_at_a_time, rtol=2 ** -7, atol=0)
+        assert torch.equal(target[:, :, 44:].float(), torch.zeros(2, 3, 4, 16, device=DEVICE))
+        impl.sum_many_(target, parts[:2])
+        assert not torch.allclose(target.float(), one_at_a_time, rtol=2 ** -7, atol=0)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="a race between GPU threads; the CPU interpreter "
                     "runs a program's threads as one")
 def test_triton_merge_gives_the_same_bits_every_time_while_memory_is_busy():

@@ -40,6 +40,7 @@ import torch
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import Block, Layout
+from ..merge import sum_many_
 from .base import (ForwardMerge, RowSums, attend_, backward_operands, block_backward,
                    fp32_empty)
 
@@ -117,11 +118,19 @@ class RingSchedule:
         world, local_len = comm.world_size, q.shape[2]
         dout, out = backward_operands(kernel, dout, out, q, docs)
         dq = RowSums(fp32_empty(q))
-        dk_own, dv_own = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
+        # The rank's own K/V: their gradients stay here. An exact kernel adds them into fp32
+        # sums itself; other kernels' results (in k's dtype) are held and added to the
+        # accumulator that comes home in one pass at the end (``own_sum``).
+        own_sums = (RowSums(fp32_empty(k)), RowSums(fp32_empty(v))) if kernel.exact else None
+        own_parts = []  # (key rows, dk, dv) of each own block, without own_sums
 
-        def own(blocks):  # the rank's own K/V: their gradients stay here
+        def own(blocks):
             for block in blocks:
-                block_backward(kernel, dout, q, k, v, out, lse, block, scale, dq, dk_own, dv_own)
+                if own_sums is not None:
+                    block_backward(kernel, dout, q, k, v, out, lse, block, scale, dq, *own_sums)
+                else:
+                    own_parts.append((block.k, *block_backward(kernel, dout, q, k, v, out, lse,
+                                                               block, scale, dq)))
 
         early, late = split_own(self._blocks(comm, 0, local_len, is_causal, docs)[0],
                                 kernel.masks)
@@ -146,10 +155,22 @@ class RingSchedule:
                     dv.add_(block.k, dv_block)
             pending_dkv = comm.send_recv_next([dk.result(), dv.result()])
         own(late)
-        dk, dv = dk_own.result(), dv_own.result()
-        if pending_dkv is not None:  # this rank's accumulator, home after W-1 hops
-            dk_home, dv_home = pending_dkv.wait()
-            # The sum rounded once to the input dtype, in one pass (add with a 16-bit out=).
-            dk = torch.add(dk, dk_home, out=torch.empty_like(k))
-            dv = torch.add(dv, dv_home, out=torch.empty_like(v))
-        return dq.result().to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if own_sums is not None:
+            own_parts = [(slice(0, local_len), *(sums.result() for sums in own_sums))]
+        # This rank's accumulator, home after W-1 hops.
+        home = pending_dkv.wait() if pending_dkv is not None else (None, None)
+        dk, dv = (own_sum(x, [(rows, grads[i]) for rows, *grads in own_parts], home[i])
+                  for i, x in enumerate((k, v)))
+        return dq.result().to(q.dtype), dk, dv
+
+
+def own_sum(x, parts, home):
+    """dK (or dV) of the rank's own K/V in ``x``'s dtype, rounded once: the own blocks' ``parts``
+    ((key rows, gradient), in order) plus the accumulator that came ``home`` (fp32; None at
+    W = 1), added in one pass in the order adding them one at a time to an fp32 accumulator
+    would take. Contiguous, as the custom op's fake promises (``x`` may be a transposed view)."""
+    target = x.new_empty(x.shape)
+    every = slice(0, x.shape[2])
+    sum_many_(target, [(grad, rows) for rows, grad in parts]
+              + ([(home, every)] if home is not None else []))
+    return target
