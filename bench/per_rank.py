@@ -13,6 +13,8 @@ returns) with a ``dtensor_ring.replay.ReplayComm``: each exchange hands back pre
 of the right shapes at once, no transfer, no copy. So the time is the rank's own work (block
 kernels, fp32 merges and accumulations, copies, host work): what a real ring reaches with perfect
 overlap. One function, ``schedule_call``, calls the schedule; a new schedule keyword goes there.
+Inputs are [B, H, S, D]-contiguous by default; ``--layout bshd`` makes them [B, S, H, D] memory
+seen as [B, H, S, D], as a model's projections do (the ideal gets the same).
 
 Ranks: every rank r = 0..W-1 is timed, one after another, and a row reports the max over ranks
 (and which rank; every rank's numbers are in the JSON). The causal ``ring`` schedule is unbalanced
@@ -99,6 +101,7 @@ def ideal_kernels(args, device):
     table = DOCUMENT_IDEAL_KERNELS if args.documents else IDEAL_KERNELS
     return table[torch.device(device).type]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LAYOUTS = ("bhsd", "bshd")  # --layout
 MARK = "per_rank."  # record_function prefix of the profiled phases: per_rank.fwd, per_rank.bwd
 OUTPUTS = {False: ("out", "lse"), True: ("out", "lse", "dq", "dk", "dv")}  # call(backward) returns
 
@@ -167,6 +170,10 @@ def build_parser():
                    help="non-causal attention (default: causal)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
                    help="dtype of q, k, v (default %(default)s)")
+    p.add_argument("--layout", choices=LAYOUTS, default="bhsd",
+                   help="memory of q, k, v and dout: bhsd, [B, H, S, D] contiguous; bshd, "
+                        "[B, S, H, D] memory seen as [B, H, S, D], as a model's projections "
+                        "make them (the ideal gets the same; default %(default)s)")
     p.add_argument("--documents", action="store_true",
                    help="packed documents: each config's row holds a long-tailed mix (lengths "
                         "log-uniform between 32W tokens and half the row, multiples of 32W; "
@@ -250,6 +257,7 @@ class Config:
     causal: bool
     dtype: torch.dtype
     documents: tuple | None = None  # packed documents' boundaries over the global row
+    layout: str = "bhsd"  # --layout
 
     def label(self):
         label = dict(world=self.world, tokens_per_gpu=self.tokens, seq=self.world * self.tokens,
@@ -278,7 +286,7 @@ def configs(args):
     out = [Config(args.world, tokens, args.heads, kv, args.head_dim, args.batch,
                   not args.no_causal, DTYPES[args.dtype],
                   document_mix(args.world * tokens, args.world, args.seed)
-                  if args.documents else None)
+                  if args.documents else None, args.layout)
            for kv in args.kv_heads for tokens in args.tokens_per_gpu]
     # Largest first (stable: kv heads in the order given): the issue's main targets are at 8K
     # tokens per GPU, and a budget cut drops the smallest, host-bound sizes.
@@ -294,15 +302,20 @@ class Inputs:
 
 
 def make_inputs(cfg, seq, device, seed, kv_repeat=1):
-    """q, k, v, dout of ``seq`` tokens, N(0, 1); k/v repeated ``kv_repeat`` times per head."""
+    """q, k, v, dout of ``seq`` tokens, N(0, 1), [B, H, S, D] in ``cfg.layout``'s memory; k/v
+    repeated ``kv_repeat`` times per head (in that layout too)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def randn(heads):
-        return torch.randn((cfg.batch, heads, seq, cfg.head_dim), generator=gen, device=device,
-                           dtype=cfg.dtype)
+    def randn(heads, repeat=1):
+        if cfg.layout == "bhsd":
+            return repeat_kv(torch.randn((cfg.batch, heads, seq, cfg.head_dim), generator=gen,
+                                         device=device, dtype=cfg.dtype), repeat)
+        x = torch.randn((cfg.batch, seq, heads, cfg.head_dim), generator=gen, device=device,
+                        dtype=cfg.dtype)
+        return x.repeat_interleave(repeat, dim=2).transpose(1, 2)
 
-    q, k, v, dout = randn(cfg.heads), randn(cfg.kv_heads), randn(cfg.kv_heads), randn(cfg.heads)
-    return Inputs(q, repeat_kv(k, kv_repeat), repeat_kv(v, kv_repeat), dout)
+    q, k, v = randn(cfg.heads), randn(cfg.kv_heads, kv_repeat), randn(cfg.kv_heads, kv_repeat)
+    return Inputs(q, k, v, randn(cfg.heads))
 
 
 def _unmarked(_phase):
@@ -671,7 +684,7 @@ def meta(args, argv):
             "git_commit": git_commit(), "device": args.device, "world": args.world,
             "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
             "dtype": args.dtype, "causal": not args.no_causal, "iters": args.iters,
-            "warmup": args.warmup, "fp32_backend": args.fp32_backend,
+            "warmup": args.warmup, "fp32_backend": args.fp32_backend, "layout": args.layout,
             "ranks": args.ranks or "all", "profile_iters": args.profile_iters if args.profile
             else None, "capture": args.capture, "budget_s": args.budget_s,
             "host": {"cpu": cpu_name(),

@@ -51,6 +51,19 @@ def test_smoke_run_with_packed_documents(one_thread):
     assert per_rank.document_mix(1024, 4, 0) == tuple(cu)
 
 
+def test_smoke_run_with_inputs_in_a_models_layout(one_thread):
+    """--layout bshd: q, k, v, dout as a model's projections make them ([B, S, H, D] memory), for
+    the ring and the ideal alike."""
+    x = per_rank.make_inputs(per_rank.Config(4, 16, 4, 2, 16, 1, True, torch.bfloat16,
+                                             layout="bshd"), 16, "cpu", 0, kv_repeat=2)
+    assert x.q.shape == x.k.shape == (1, 4, 16, 16) and x.q.transpose(1, 2).is_contiguous()
+    assert x.k.transpose(1, 2).is_contiguous() and torch.equal(x.k[:, 0], x.k[:, 1])
+    result = per_rank.main([*SMOKE, "--kv-heads", "2", "--layout", "bshd", "--methods",
+                            "ideal,zigzag_fp32,llama3_fp32,stripe_exact"])
+    assert [r["error"] for r in result["rows"]] == [None] * 4
+    assert result["meta"]["layout"] == "bshd"
+
+
 def test_smoke_run_measures_every_method_and_rank(smoke):
     result, path = smoke
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))  # written, complete
@@ -169,6 +182,7 @@ def test_help_describes_every_option(capsys):
                                    "from auto, cpu_flash, cudnn, efficient, flash, flash_attn, "
                                    "math)"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8' (choose from bf16, fp16)"),
+    (["--layout", "sbhd"], "argument --layout: invalid choice: 'sbhd' (choose from bhsd, bshd)"),
 ])
 def test_bad_arguments_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -178,4 +192,5 @@ def test_bad_arguments_are_argparse_errors(argv, message, capsys):
     assert message in err.replace("'auto', 'cpu_flash', 'cudnn', 'efficient', 'flash', "
                                   "'flash_attn', 'math'",
                                   "auto, cpu_flash, cudnn, efficient, flash, flash_attn, math"
-                                  ).replace("'bf16', 'fp16'", "bf16, fp16"), err
+                                  ).replace("'bf16', 'fp16'", "bf16, fp16"
+                                  ).replace("'bhsd', 'bshd'", "bhsd, bshd"), err
