@@ -109,8 +109,8 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.schedule.backward(ProcessGroupComm(ctx.group), dout.contiguous(), q, k,
-                                           v, out, lse, **ctx.options)
+        dq, dk, dv = ctx.schedule.backward(ProcessGroupComm(ctx.group), dout, q, k, v, out,
+                                           lse, **ctx.options)
         return dq, dk, dv, None, None, None
 
 

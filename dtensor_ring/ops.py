@@ -65,7 +65,7 @@ def ring_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     comm = ProcessGroupComm(_resolve_process_group(group_name))
     sched, options = schedule_call(schedule, q, backend, precision, cu_seqlens, max_seqlen)
-    return sched.backward(comm, dout.contiguous(), q, k, v, out, lse, is_causal=is_causal,
+    return sched.backward(comm, dout, q, k, v, out, lse, is_causal=is_causal,
                           scale=scale, **options)
 
 

@@ -16,7 +16,13 @@ def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, 
 def backward_operands(kernel: BlockKernel, dout, out, q, docs):
     """A schedule's (dout, out) for its blocks' backward: dout in q's dtype (exact mode's is fp32
     holding 16-bit values: one cast, lossless), and both in the layout the kernel's backward
-    needs (``BlockKernel.backward_layout``), once for the whole tensors."""
+    needs (``BlockKernel.backward_layout``), once for the whole tensors.
+
+    dout keeps its memory where that is [B, H, S, D] or [B, S, H, D] (a model's attention
+    output's gradient usually is the latter, like its q: cuDNN then needs no copy of it); any
+    other (an expanded or overlapping gradient, as ``out.sum()`` gives) is copied contiguous."""
+    if not (dout.is_contiguous() or dout.transpose(1, 2).is_contiguous()):
+        dout = dout.contiguous()
     dout = dout.to(q.dtype)
     return tuple(kernel.backward_layout(x, q, docs is not None) for x in (dout, out))
 
