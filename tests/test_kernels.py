@@ -14,6 +14,7 @@ from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from dtensor_ring.merge import init_, merge_
 from dtensor_ring.numerics import TOLERANCE, rel_rms
+from dtensor_ring.schedules.base import backward_operands
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -83,6 +84,19 @@ def test_backward_does_not_depend_on_the_layout_of_dout_and_out(name, dtype):
             assert rel_rms(g, ref) <= 1.05 * own[i] + FP32_FLOOR, (
                 f"{name}: gradient {i} with [B, S, H, D]-memory {layout}: rel-RMS "
                 f"{rel_rms(g, ref):.2e} against {own[i]:.2e} with contiguous ones")
+
+
+def test_backward_operands_copy_dout_only_when_its_memory_is_neither_layout():
+    """A model's dout ([B, S, H, D] memory, like its q) and a contiguous one reach the kernel's
+    backward_layout as they are; an expanded one (``out.sum()``'s gradient) is made contiguous."""
+    q = _seq_major(torch.randn(1, 2, 8, 4))
+    kernel = BACKENDS["math"]  # its backward_layout keeps any layout
+    for dout in (_seq_major(torch.randn(1, 2, 8, 4)), torch.randn(1, 2, 8, 4)):
+        got, _ = backward_operands(kernel, dout, q, q, None)
+        assert got.data_ptr() == dout.data_ptr() and got.stride() == dout.stride()
+    expanded = torch.ones(()).expand(1, 2, 8, 4)
+    got, _ = backward_operands(kernel, expanded, q, q, None)
+    assert got.is_contiguous() and torch.equal(got, expanded)
 
 
 @pytest.mark.parametrize("name,dtype", _params())
