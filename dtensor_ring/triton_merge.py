@@ -36,6 +36,8 @@ Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use that)
 import triton
 import triton.language as tl
 
+from .merge import MAX_BLOCKS, MAX_PARTS  # the slots of _merge_many and _sum_many
+
 BLOCK_M = 32
 
 
@@ -62,14 +64,21 @@ def merge_rows(out, lse, block_out, block_lse):
 
 
 @triton.jit
+def _rows_of(X, sxb, sxh, sxm, sxd, r0, r1, b, h, rows, dims, row_ok, tile_ok):
+    """This program's tile of X, which holds rows [r0, r1) (its rows counted from r0), in fp32
+    with 0 in the rows it does not hold; and which rows it holds."""
+    held = row_ok & (rows >= r0) & (rows < r1)
+    tile = tl.load(X + b * sxb + h * sxh + (rows - r0)[:, None] * sxm + dims[None, :] * sxd,
+                   mask=held[:, None] & tile_ok, other=0.0).to(tl.float32)
+    return tile, held
+
+
+@triton.jit
 def _merged_with(out, lse, B, BLse, sbb, sbh, sbm, sbd, syb, syh, sym, r0, r1, b, h, rows, dims,
                  row_ok, tile_ok):
-    """(out, lse) merged with the block over rows [r0, r1) (its rows counted from r0)."""
-    in_block = row_ok & (rows >= r0) & (rows < r1)
-    brows = rows - r0
-    block = tl.load(B + b * sbb + h * sbh + brows[:, None] * sbm + dims[None, :] * sbd,
-                    mask=in_block[:, None] & tile_ok, other=0.0).to(tl.float32)
-    block_lse = tl.load(BLse + b * syb + h * syh + brows * sym, mask=in_block,
+    """(out, lse) merged with the block over rows [r0, r1)."""
+    block, held = _rows_of(B, sbb, sbh, sbm, sbd, r0, r1, b, h, rows, dims, row_ok, tile_ok)
+    block_lse = tl.load(BLse + b * syb + h * syh + (rows - r0) * sym, mask=held,
                         other=float("-inf"))  # rows outside the block: as they are
     return merge_rows(out, lse, block, block_lse)
 
@@ -102,10 +111,8 @@ def _merge_many(Target, TargetLse, A, ALse, B0, L0, B1, L1, B2, L2,
 
 @triton.jit
 def _plus(acc, P, spb, sph, spm, spd, r0, r1, b, h, rows, dims, row_ok, tile_ok):
-    """acc plus the part over rows [r0, r1) (its rows counted from r0)."""
-    in_part = row_ok & (rows >= r0) & (rows < r1)
-    return acc + tl.load(P + b * spb + h * sph + (rows - r0)[:, None] * spm + dims[None, :] * spd,
-                         mask=in_part[:, None] & tile_ok, other=0.0).to(tl.float32)
+    """acc plus the part over rows [r0, r1)."""
+    return acc + _rows_of(P, spb, sph, spm, spd, r0, r1, b, h, rows, dims, row_ok, tile_ok)[0]
 
 
 @triton.jit
@@ -139,29 +146,31 @@ def merge_(out, lse, block_out, block_lse) -> None:
     merge_many_(out, lse, out, lse, [(block_out, block_lse, slice(0, out.shape[2]))])
 
 
+def _slots(entries, capacity, seq):
+    """A kernel's fixed slots for ``entries`` ((*tensors, rows)): their tensors, and per slot the
+    tensors' strides and the rows' (start, stop); slots past the entries repeat the first (the
+    kernel reads no more than it is told)."""
+    tensors, args = [], []
+    for *xs, rows in entries + entries[:1] * (capacity - len(entries)):
+        tensors += xs
+        args += [*(s for x in xs for s in x.stride()), *rows.indices(seq)[:2]]
+    return tensors, args
+
+
 def merge_many_(target, target_lse, first, first_lse, blocks) -> None:
-    """``merge.merge_many_`` in one kernel launch (1 to 3 blocks)."""
+    """``merge.merge_many_`` in one kernel launch (1 to MAX_BLOCKS blocks)."""
     grid, meta = _grid(target)
-    per_block = []
-    for block_out, block_lse, rows in blocks + blocks[:1] * (3 - len(blocks)):  # unused: any
-        start, stop, _ = rows.indices(first.shape[2])
-        per_block.append(((block_out, block_lse),
-                          (*block_out.stride(), *block_lse.stride(), start, stop)))
-    _merge_many[grid](target, target_lse, first, first_lse, *(t for ts, _ in per_block for t in ts),
-                      *target.stride(), *target_lse.stride(), *first.stride(), *first_lse.stride(),
-                      *(x for _, xs in per_block for x in xs), *target.shape[1:],
-                      BLOCKS=len(blocks), **meta)
+    tensors, args = _slots(blocks, MAX_BLOCKS, first.shape[2])
+    _merge_many[grid](target, target_lse, first, first_lse, *tensors, *target.stride(),
+                      *target_lse.stride(), *first.stride(), *first_lse.stride(), *args,
+                      *target.shape[1:], BLOCKS=len(blocks), **meta)
 
 
 def sum_many_(target, parts) -> None:
-    """``merge.sum_many_`` in one kernel launch (1 to 4 parts)."""
+    """``merge.sum_many_`` in one kernel launch (1 to MAX_PARTS parts)."""
     grid, meta = _grid(target)
-    per_part = []
-    for x, rows in parts + parts[:1] * (4 - len(parts)):  # unused slots: any tensor
-        start, stop, _ = rows.indices(target.shape[2])
-        per_part.append((x, (*x.stride(), start, stop)))
-    _sum_many[grid](target, *(x for x, _ in per_part), *target.stride(),
-                    *(a for _, args in per_part for a in args), *target.shape[1:],
+    tensors, args = _slots(parts, MAX_PARTS, target.shape[2])
+    _sum_many[grid](target, *tensors, *target.stride(), *args, *target.shape[1:],
                     PARTS=len(parts), **meta)
 
 
