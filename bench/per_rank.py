@@ -31,7 +31,11 @@ on CPU), time / W. A row's fraction = the fastest ideal's time / its time (fwd a
 separately).
 
 Columns: fwd and fwd+bwd time (CUDA events, median of --iters after --warmup, each run on an idle
-GPU: it includes the GPU's waits for the host; bench/timing.py), host enqueue time (wall time until
+GPU: it includes the GPU's waits for the host, the first launch's among them; bench/timing.py),
+on CUDA the same in steady state (``steady_*``, columns "st f" / "st fb": runs back to back after a
+lead that puts the host ahead, as in a model whose host enqueues the next layers while the GPU
+works; a host-bound call stays host-bound; ``timing.steady_times``; median of --iters / 5 groups of
+5), host enqueue time (wall time until
 the call returns, unsynchronized, median: near the time itself means the GPU waits for Python), the
 peak memory the call adds (``max_memory_allocated`` minus what was allocated before, reset per
 method and rank; the communicator's buffers, allocated by a first call, are not in it: they are
@@ -86,7 +90,7 @@ from dtensor_ring.replay import ReplayComm  # noqa: E402
 from graph_capture import failure, graph_measure, recover  # noqa: E402
 from kernel_kinds import breakdown  # noqa: E402
 from report import describe, versions, write_json  # noqa: E402
-from timing import run_times  # noqa: E402
+from timing import run_times, steady_times  # noqa: E402
 
 SCHEDULES = ("ring", "zigzag", "stripe", "llama3")
 PRECISIONS = ("fp32", "exact")
@@ -102,6 +106,9 @@ def ideal_kernels(args, device):
     return table[torch.device(device).type]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LAYOUTS = ("bhsd", "bshd")  # --layout
+STEADY_TIMES = ("steady_fwd_ms", "steady_fwd_bwd_ms")  # CUDA: the host ahead (measure)
+TIMES = ("fwd_ms", "fwd_bwd_ms", *STEADY_TIMES)  # each gets a fraction of the fastest ideal
+STEADY_GROUP = 5  # runs back to back per steady-state timing (bench/timing.py steady_times)
 MARK = "per_rank."  # record_function prefix of the profiled phases: per_rank.fwd, per_rank.bwd
 OUTPUTS = {False: ("out", "lse"), True: ("out", "lse", "dq", "dk", "dv")}  # call(backward) returns
 
@@ -428,9 +435,16 @@ def measure(call, args, device):
     fwd, host_fwd = run_times(lambda: call(False), args.warmup, args.iters, device)
     fb, host_fb = run_times(lambda: call(True), args.warmup, args.iters, device)
     med = statistics.median
-    return dict(fwd_ms=med(fwd), fwd_bwd_ms=med(fb), host_fwd_ms=med(host_fwd),
-                host_fwd_bwd_ms=med(host_fb),
-                mem_gib=(torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None)
+    m = dict(fwd_ms=med(fwd), fwd_bwd_ms=med(fb), host_fwd_ms=med(host_fwd),
+             host_fwd_bwd_ms=med(host_fb),
+             mem_gib=(torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None)
+    if cuda:
+        groups = max(1, args.iters // STEADY_GROUP)
+        for backward, key in ((False, "fwd"), (True, "fwd_bwd")):
+            lead = 2 * m[f"host_{key}_ms"] + 0.5  # the host's first call, with room
+            m[f"steady_{key}_ms"] = med(steady_times(lambda: call(backward), groups,
+                                                     STEADY_GROUP, lead))
+    return m
 
 
 def profile(call, args):
@@ -485,7 +499,7 @@ def run_ideal(kernel_name, cfg, x, args, device):
         def call(backward, mark=_unmarked):
             return ideal_call(method, x, backward, mark)
         m = measure(call, args, device)
-        row.update(fwd_ms=m["fwd_ms"] / cfg.world, fwd_bwd_ms=m["fwd_bwd_ms"] / cfg.world,
+        row.update({key: m[key] / cfg.world for key in TIMES if key in m},
                    host_fwd_ms=m["host_fwd_ms"], host_fwd_bwd_ms=m["host_fwd_bwd_ms"],
                    mem_gib=m["mem_gib"])
         if args.profile:
@@ -523,6 +537,9 @@ def run_schedule(name, cfg, x, args, device):
         return row
     row["fwd_ms"], row["fwd_rank"] = _worst(per_rank, "fwd_ms")
     row["fwd_bwd_ms"], row["fwd_bwd_rank"] = _worst(per_rank, "fwd_bwd_ms")
+    for key in STEADY_TIMES:
+        if all(key in r for r in per_rank):
+            row[key], row[key.removesuffix("_ms") + "_rank"] = _worst(per_rank, key)
     for key in ("host_fwd_ms", "host_fwd_bwd_ms", "mem_gib", "comm_buffers_gib"):
         values = [r[key] for r in per_rank if r[key] is not None]
         row[key] = max(values) if values else None
@@ -544,12 +561,16 @@ def add_fractions(rows):
     ideals = [r for r in rows if r["kind"] == "ideal" and r.get("fwd_ms") is not None]
     if not ideals:
         return
-    best = {key: min(ideals, key=lambda r: r[key]) for key in ("fwd_ms", "fwd_bwd_ms")}
-    for row in rows:
-        for key, frac in (("fwd_ms", "frac_fwd"), ("fwd_bwd_ms", "frac_fwd_bwd")):
-            row[f"ideal_{key}"], row[f"ideal_{key}_from"] = best[key][key], best[key]["method"]
+    for key in TIMES:
+        timed = [r for r in ideals if r.get(key) is not None]
+        if not timed:
+            continue
+        best = min(timed, key=lambda r: r[key])
+        frac = "frac_" + key.removesuffix("_ms")
+        for row in rows:
+            row[f"ideal_{key}"], row[f"ideal_{key}_from"] = best[key], best["method"]
             if row.get(key):
-                row[frac] = best[key][key] / row[key]
+                row[frac] = best[key] / row[key]
 
 
 def graph_row(row, cfg, x, args, device):
@@ -816,7 +837,7 @@ def _f(x, spec):
 KIND_COLUMNS = (("attention", "attn"), ("merge/accumulation", "merge"), ("copies", "copy"),
                 ("other", "other"))
 HEADER = (f"{'tok/GPU':>7} {'kv':>3} {'method':15} {'fwd ms':>8} {'frac':>5} {'fwd+bwd':>8} "
-          f"{'frac':>5} {'host f':>7} {'host fb':>7} {'GiB':>5} {'launch f/b':>10}  "
+          f"{'frac':>5} {'st f':>5} {'st fb':>5} {'host f':>7} {'host fb':>7} {'GiB':>5} {'launch f/b':>10}  "
           f"{'fwd+bwd GPU ms: attn/merge/copy/other':38} rank")
 
 
@@ -837,6 +858,7 @@ def fmt_row(r):
     rank = "" if r["kind"] == "ideal" else f"{r.get('fwd_rank')}/{r.get('fwd_bwd_rank')}"
     return (f"{head} {_f(r.get('fwd_ms'), '8.3f')} {_f(r.get('frac_fwd'), '5.2f')} "
             f"{_f(r.get('fwd_bwd_ms'), '8.3f')} {_f(r.get('frac_fwd_bwd'), '5.2f')} "
+            f"{_f(r.get('frac_steady_fwd'), '5.2f')} {_f(r.get('frac_steady_fwd_bwd'), '5.2f')} "
             f"{_f(r.get('host_fwd_ms'), '7.2f')} {_f(r.get('host_fwd_bwd_ms'), '7.2f')} "
             f"{_f(r.get('mem_gib'), '5.2f')} {launches:>10}  {_kinds(r.get('profile')):38} {rank}")
 
@@ -872,6 +894,7 @@ def print_table(info, rows):
           f"Triton {info.get('triton')}; {info.get('git_commit')}")
     print("times: median over --iters, max over ranks (rank of the max fwd/fwd+bwd at the end); "
           "frac = fastest single-GPU ideal over the whole sequence / W, divided by the time; "
+          "st f / st fb = the same fractions in steady state (runs back to back, the host ahead); "
           "host = enqueue time; GiB = peak added; launches and kinds from the profile of the "
           "slowest rank, per iteration")
     print(HEADER)

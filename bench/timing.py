@@ -50,3 +50,47 @@ def run_times(fn, warmup, iters, device="cuda"):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return times, host
+
+
+def steady_times(fn, groups, per_group, lead_ms):
+    """Times in ms per run of ``fn()`` in steady state, as in a model whose host enqueues the
+    next layers while the GPU works: ``groups`` times, ``per_group`` runs back to back between
+    two CUDA events, the total / ``per_group``. Before each group the GPU is held busy for
+    ``lead_ms`` (``torch.cuda._sleep``), so the host is that far ahead when the first run starts
+    and the idle GPU's wait for the first launch (which ``run_times`` includes, and which a model
+    pays once per step, not per layer) is not in the time. A run whose host time exceeds its GPU
+    time is still host-bound here: after the lead, the GPU waits for the host as it would in the
+    model. CUDA only. Warm ``fn`` up first (``run_times`` does)."""
+    cycles = _sleep_cycles(lead_ms)
+    times = []
+    for _ in range(groups):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        for _ in range(per_group):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / per_group)
+    return times
+
+
+_CYCLES_PER_MS = {}
+
+
+def _sleep_cycles(ms):
+    """``torch.cuda._sleep``'s argument (GPU clock cycles) for about ``ms`` milliseconds,
+    calibrated once per device."""
+    device = torch.cuda.current_device()
+    if device not in _CYCLES_PER_MS:
+        probe = 10_000_000
+        torch.cuda._sleep(probe)  # the first call's launch is slow
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        torch.cuda.synchronize()
+        _CYCLES_PER_MS[device] = probe / start.elapsed_time(end)
+    return int(ms * _CYCLES_PER_MS[device])
