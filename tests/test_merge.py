@@ -1,9 +1,11 @@
 """The fp32 merge against float64, including the extreme LSE gaps where naive forms overflow; the
-fp32 gradient accumulator (copy first, add later, zero what nothing reached)."""
+fp32 gradient accumulators (copy first, add later, zero what nothing reached; the held sums give
+their bits)."""
+import pytest
 import torch
 
 from dtensor_ring.merge import init_, merge_
-from dtensor_ring.schedules.base import RowSums
+from dtensor_ring.schedules.base import HeldSums, RowSums
 
 
 def _partial(scores, values):
@@ -51,3 +53,32 @@ def test_row_sums_copy_first_add_later_and_zero_the_rest():
     done = RowSums(torch.ones(1, 1, 3, 2), written=True)
     done.add_(slice(1, 2), torch.ones(1, 1, 1, 2))
     assert done.result()[0, 0, :, 0].tolist() == [1.0, 2.0, 1.0]
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # cuda: the Triton passes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("count", [1, 2, 3, 6])
+def test_held_sums_give_the_bits_of_row_sums(device, dtype, count):
+    # bf16 results as a kernel returns them, over rows that overlap and leave gaps (10, 11)
+    gen = torch.Generator().manual_seed(count)
+    spans = [slice(2, 5), slice(0, 3), slice(8, 10), slice(2, 10), slice(0, 10), slice(5, 8)]
+    parts = [(rows, (torch.randn(1, 2, rows.stop - rows.start, 4, generator=gen) * 100)
+              .bfloat16().to(device)) for rows in spans[:count]]
+    like = torch.empty(1, 2, 12, 4, dtype=torch.bfloat16, device=device)
+    row_sums, held = RowSums(torch.full((1, 2, 12, 4), float("nan"), device=device)), \
+        HeldSums(like)
+    for rows, x in parts:
+        row_sums.add_(rows, x)
+        assert held.claim(rows) is None
+        held.hold(rows, x)
+        assert len(held.held) < held.per_pass  # summed as soon as a pass is full
+    got, want = held.result_in(dtype), row_sums.result_in(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    # a result held twice must show
+    twice = HeldSums(like)
+    for rows, x in parts + parts[-1:]:
+        twice.hold(rows, x)
+    assert not torch.equal(twice.result_in(dtype), want)

@@ -31,8 +31,9 @@ empty on rank 0 and Y on rank W-1. That is 1 + 2 * groups kernel calls in the fo
 per-chunk blocks took 4 * groups (per call the host spends about as long as an 8K-token block
 computes), and no natural order to build.
 
-Backward: gather K/V again per group, compute dq (fp32, local) and dK/dV for the gathered keys
-in fp32, and reduce-scatter that (fp32) back to the owners, overlapped with the next group.
+Backward: gather K/V again per group, compute dq (local: the group's block results summed in
+fp32 in one pass, written in q's dtype) and dK/dV for the gathered keys in fp32, and
+reduce-scatter that (fp32) back to the owners, overlapped with the next group.
 Groups: min(Hkv, W), so a gathered group is about the size of the local K/V.
 
 Packed documents (``docs``): the gathered K/V go to natural order through an index (documents
@@ -54,9 +55,9 @@ from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
-from ..merge import merge_many_
+from ..merge import MAX_PARTS, merge_many_
 from ..sharding import rank_major_positions
-from .base import (RowSums, attend_, backward_operands, block_backward, fp32_empty,
+from .base import (HeldSums, RowSums, attend_, backward_operands, block_backward, fp32_empty,
                    result_out)
 
 
@@ -205,7 +206,8 @@ class _NaturalOrder:
     def result(kernel, q, out, lse):
         return result_out(out, q, kernel), lse
 
-    def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
+    def backward(self, kernel, dout, q, out, lse, gathered, scale,
+                 dq: "RowSums | HeldSums") -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter, rank-major."""
         k_all, v_all = self._natural(gathered)
         dkv_all = fp32_empty(q, (2, *k_all.shape))
@@ -283,7 +285,8 @@ class _OwnThenOthers:
     def result(kernel, q, out, lse):
         return out, lse
 
-    def backward(self, kernel, dout, q, out, lse, gathered, scale, dq: RowSums) -> torch.Tensor:
+    def backward(self, kernel, dout, q, out, lse, gathered, scale,
+                 dq: "RowSums | HeldSums") -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter: [W, S_local, 2, B, Hg, D]
         (the messages' layout)."""
         r, half = self.rank, self.half
@@ -348,7 +351,10 @@ class Llama3:
         world = comm.world_size
         dout, out = backward_operands(kernel, dout, out, q, docs)
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
-        dq, dkv = fp32_empty(q), fp32_empty(q, (2, *k.shape))  # every head group is written
+        # dq: an exact kernel adds into fp32 sums itself; other kernels' results (in q's dtype)
+        # are held and summed per group in one pass straight into the output (HeldSums)
+        dq = fp32_empty(q) if kernel.exact else q.new_empty(q.shape)
+        dkv = fp32_empty(q, (2, *k.shape))  # every head group is written
         plan_cls = plan_class(is_causal, kernel, docs)
         pending_kv, pending_grad = comm.all_gather(plan_cls.message(k, v, groups[0])), None
         plan = plan_cls(comm.rank, world, q.shape[2], is_causal, docs)
@@ -362,7 +368,8 @@ class Llama3:
 
         for i, heads in enumerate(groups):
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
-            dq_heads = RowSums(dq[:, q_heads])
+            dq_heads = (RowSums(dq[:, q_heads]) if kernel.exact
+                        else HeldSums(q[:, q_heads], per_pass=MAX_PARTS))
             if plan.local is not None:
                 # The group's share of the rank's own block, while its K/V are gathered: every
                 # row of dq, dk and dv, which the others' blocks add to. Per group, not for all
@@ -376,7 +383,10 @@ class Llama3:
                 pending_kv = comm.all_gather(plan.message(k, v, groups[i + 1]))
             dkv_all = plan.backward(kernel, dout[:, q_heads], q[:, q_heads], out[:, q_heads],
                                     lse[:, q_heads], gathered, scale, dq_heads)
-            dq_heads.result()  # rows no block reached: zero
+            if kernel.exact:
+                dq_heads.result()  # rows no block reached: zero
+            else:
+                dq_heads.result_into(dq[:, q_heads])
             if pending_grad is not None:
                 receive(groups[i - 1])
             pending_grad = comm.reduce_scatter(dkv_all)

@@ -35,14 +35,13 @@ document: the early part is every document's rows and keys before h (causal), th
 document's rows from h on against all of its keys (bottom-right causal: a document that starts
 before h keeps seeing its keys there).
 """
-import torch
 
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import Block, Layout
 from ..merge import sum_many_
-from .base import (ForwardMerge, RowSums, attend_, backward_operands, block_backward,
-                   fp32_empty)
+from .base import (ForwardMerge, HeldSums, RowSums, attend_, backward_operands,
+                   block_backward, fp32_empty)
 
 
 def split_own(block: Block, masks) -> tuple[list[Block], list[Block]]:
@@ -117,7 +116,7 @@ class RingSchedule:
                  docs=None):
         world, local_len = comm.world_size, q.shape[2]
         dout, out = backward_operands(kernel, dout, out, q, docs)
-        dq = RowSums(fp32_empty(q))
+        dq = RowSums(fp32_empty(q)) if kernel.exact else HeldSums(q)
         # The rank's own K/V: their gradients stay here. An exact kernel adds them into fp32
         # sums itself; other kernels' results (in k's dtype) are held and added to the
         # accumulator that comes home in one pass at the end (``own_sum``).
@@ -155,13 +154,15 @@ class RingSchedule:
                     dv.add_(block.k, dv_block)
             pending_dkv = comm.send_recv_next([dk.result(), dv.result()])
         own(late)
+        # dq before dK/dV: its fp32 sum is freed before their outputs are allocated (the peak)
+        dq = dq.result_in(q.dtype)
         if own_sums is not None:
             own_parts = [(slice(0, local_len), *(sums.result() for sums in own_sums))]
         # This rank's accumulator, home after W-1 hops.
         home = pending_dkv.wait() if pending_dkv is not None else (None, None)
         dk, dv = (own_sum(x, [(rows, grads[i]) for rows, *grads in own_parts], home[i])
                   for i, x in enumerate((k, v)))
-        return dq.result().to(q.dtype), dk, dv
+        return dq, dk, dv
 
 
 def own_sum(x, parts, home):
