@@ -33,7 +33,8 @@ computes), and no natural order to build.
 
 Backward: gather K/V again per group, compute dq (local: the group's block results summed in
 fp32 in one pass, written in q's dtype) and dK/dV for the gathered keys in fp32, and
-reduce-scatter that (fp32) back to the owners, overlapped with the next group.
+reduce-scatter that (fp32) back to the owners, overlapped with the next group; each owner adds
+its own block's dK/dV to the share it receives in one pass written in k's dtype.
 Groups: min(Hkv, W), so a gathered group is about the size of the local K/V.
 
 Packed documents (``docs``): the gathered K/V go to natural order through an index (documents
@@ -55,7 +56,7 @@ from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
-from ..merge import MAX_PARTS, merge_many_
+from ..merge import MAX_PARTS, merge_many_, sum_many_
 from ..sharding import rank_major_positions
 from .base import (HeldSums, RowSums, attend_, backward_operands, block_backward, fp32_empty,
                    result_out)
@@ -354,17 +355,20 @@ class Llama3:
         # dq: an exact kernel adds into fp32 sums itself; other kernels' results (in q's dtype)
         # are held and summed per group in one pass straight into the output (HeldSums)
         dq = fp32_empty(q) if kernel.exact else q.new_empty(q.shape)
-        dkv = fp32_empty(q, (2, *k.shape))  # every head group is written
+        # dK/dV: per group, the own block's (16-bit, or an exact kernel's fp32 sums) and the
+        # reduce-scattered share (fp32) summed in one pass straight into the outputs
+        dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
         plan_cls = plan_class(is_causal, kernel, docs)
         pending_kv, pending_grad = comm.all_gather(plan_cls.message(k, v, groups[0])), None
         plan = plan_cls(comm.rank, world, q.shape[2], is_causal, docs)
+        own = {}  # group index -> the own block's (dk, dv) of that group's heads
 
-        def receive(heads):
-            share = plan.owned(pending_grad.wait())
-            if plan.local is None:
-                dkv[:, :, heads] = share
-            else:
-                dkv[:, :, heads] += share
+        def receive(g):
+            share, every = plan.owned(pending_grad.wait()), slice(0, k.shape[2])
+            mine = own.pop(g, None)
+            for i, target in enumerate((dk, dv)):
+                sum_many_(target[:, groups[g]], ([(mine[i], every)] if mine else [])
+                          + [(share[i], every)])
 
         for i, heads in enumerate(groups):
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
@@ -375,9 +379,14 @@ class Llama3:
                 # row of dq, dk and dv, which the others' blocks add to. Per group, not for all
                 # heads at once as in the forward: its backward's temporaries grow with the heads
                 # (cuDNN keeps dq in fp32 too), and at 8K tokens, 32/8 heads that raised the peak.
-                block_backward(kernel, dout[:, q_heads], q[:, q_heads], k[:, heads], v[:, heads],
-                               out[:, q_heads], lse[:, q_heads], plan.local, scale, dq_heads,
-                               RowSums(dkv[0][:, heads]), RowSums(dkv[1][:, heads]))
+                operands = (kernel, dout[:, q_heads], q[:, q_heads], k[:, heads], v[:, heads],
+                            out[:, q_heads], lse[:, q_heads], plan.local, scale, dq_heads)
+                if kernel.exact:
+                    sums = [RowSums(fp32_empty(x[:, heads])) for x in (k, v)]
+                    block_backward(*operands, *sums)
+                    own[i] = tuple(x.result() for x in sums)
+                else:
+                    own[i] = block_backward(*operands)
             gathered = pending_kv.wait()
             if i + 1 < len(groups):
                 pending_kv = comm.all_gather(plan.message(k, v, groups[i + 1]))
@@ -388,11 +397,10 @@ class Llama3:
             else:
                 dq_heads.result_into(dq[:, q_heads])
             if pending_grad is not None:
-                receive(groups[i - 1])
+                receive(i - 1)
             pending_grad = comm.reduce_scatter(dkv_all)
             # The communicator holds it while it needs it. Kept here until the next group's was
             # built, it raised the peak (H100, 8K tokens, 32/32 heads, exact: 1.44 GiB, not 1.19).
             del dkv_all
-        receive(groups[-1])
-        # copy=True: dk and dv must not alias (one buffer) even when no cast is needed.
-        return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
+        receive(len(groups) - 1)
+        return dq.to(q.dtype), dk, dv
