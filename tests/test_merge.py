@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dtensor_ring.merge import init_, merge_
-from dtensor_ring.schedules.base import HeldSums, RowSums
+from dtensor_ring.schedules.base import ForwardMerge, HeldSums, RowSums
 
 
 def _partial(scores, values):
@@ -82,3 +82,34 @@ def test_held_sums_give_the_bits_of_row_sums(device, dtype, count):
     for rows, x in parts + parts[-1:]:
         twice.hold(rows, x)
     assert not torch.equal(twice.result_in(dtype), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocks", [1, 3, 6])  # alone; held and merged in one pass; as they come
+def test_forward_merge_of_blocks_in_a_models_layout_is_contiguous_and_the_same(device, blocks):
+    # The first block's out with q's strides ([B, S, H, D] memory, as cuDNN returns it for a
+    # model's q): the result is contiguous (the custom op's fake) and bit for bit the result of
+    # merging from a contiguous copy.
+    shape = (1, 2, 8, 4)
+
+    def result(first_layout):
+        q = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        merged = ForwardMerge(q, blocks)
+        g = torch.Generator().manual_seed(blocks)
+        for i in range(blocks):
+            rows = slice(0, 8) if i == 0 else slice(i % 2 * 4, 8)
+            n = rows.stop - rows.start
+            out = torch.randn(1, 2, n, 4, generator=g).bfloat16().to(device)
+            lse = torch.randn(1, 2, n, generator=g).to(device)
+            if i == 0:
+                out = first_layout(out)
+            merged.add(out, lse, rows)
+        return merged.result()
+
+    def bshd(x):
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = result(bshd)
+    want_out, want_lse = result(lambda x: x)
+    assert not bshd(torch.empty(shape)).is_contiguous()
+    assert out.is_contiguous() and torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert out.dtype == torch.bfloat16

@@ -150,7 +150,8 @@ class ForwardMerge:
     block's out in q's dtype (fp32 mode). The first block's result covers every row.
 
     Up to ``MAX_BLOCKS`` + 1 blocks (W <= 4): every result is held until the last, and all are
-    merged in one pass, written over the first block's (its out in q's dtype, its lse): one pass
+    merged in one pass, written over the first block's (its out in q's dtype, its lse; a new
+    contiguous out where the first block's has q's other strides): one pass
     over out, where merging as they come took W - 1, and no more memory: at most four results,
     where merging as they come held the fp32 accumulator (two results' bytes), a result and the
     first result or the output.
@@ -168,14 +169,19 @@ class ForwardMerge:
         self.left -= 1
         if self.out is None:
             assert rows.indices(self.q.shape[2]) == (0, self.q.shape[2], 1), "first: every row"
-            # contiguous, as the custom op's fake promises (the CPU kernel's LSE is a transposed
-            # view, and an out may follow q's strides); cuDNN's and flash's already are
-            self.out, self.lse = block_out.contiguous(), block_lse.contiguous()
+            # The result is contiguous, as the custom op's fake promises, but the first out may
+            # follow q's strides (cuDNN's does: a model's q is [B, S, H, D] memory): the merge
+            # then writes the result contiguous, which saves copying it first. A lone block is
+            # the result: copied. (The CPU kernel's LSE is a transposed view.)
+            self.out = block_out if self.left else block_out.contiguous()
+            self.lse = block_lse.contiguous()
         elif self.held is not None:
             self.held.append((block_out, block_lse, rows))
             if not self.left:
-                merge_many_(self.out, self.lse, self.out, self.lse, self.held)
-                self.held = []
+                target = (self.out if self.out.is_contiguous()
+                          else self.out.new_empty(self.out.shape))
+                merge_many_(target, self.lse, self.out, self.lse, self.held)
+                self.out, self.held = target, []
         elif self.accumulating and self.left:
             merge_(self.out[:, :, rows], self.lse[:, :, rows], block_out, block_lse)
         else:

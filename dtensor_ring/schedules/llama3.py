@@ -197,8 +197,9 @@ class _NaturalOrder:
         row)."""
         return fp32_empty(q), fp32_empty(q, q.shape[:3])
 
-    def forward_(self, kernel, q, gathered, scale, out, lse):
-        """The blocks of a group of q heads on its gathered K/V, into its out/lse."""
+    def forward_(self, kernel, q, gathered, scale, out, lse, into):
+        """The blocks of a group of q heads on its gathered K/V, into its out/lse (``into`` is
+        None: ``start``'s accumulator is contiguous)."""
         k_all, v_all = self._natural(gathered)
         for block, fresh in self.blocks:
             attend_(kernel, q, k_all, v_all, block, scale, out, lse, fresh)
@@ -269,18 +270,21 @@ class _OwnThenOthers:
 
     def start(self, kernel, q, k, v, scale):
         """The own block, all heads in one call, while the first group is gathered: the
-        forward's (out, lse), which each group's merge overwrites with its final values."""
+        forward's (out, lse), which each group's merge overwrites with its final values (or
+        writes into a contiguous out, where this one has a model's q strides)."""
         assert not kernel.exact, f"{kernel.name}: exact kernels offer the bottom-right mask"
         out, lse = kernel.forward(q, k, v, self.local.mask, scale)
-        return out.contiguous(), lse.contiguous()
+        return out, lse.contiguous()
 
-    def forward_(self, kernel, q, gathered, scale, out, lse):
-        """X and Y of a group of q heads, merged with the group's own-block result in one pass,
-        in place."""
+    def forward_(self, kernel, q, gathered, scale, out, lse, into):
+        """X and Y of a group of q heads, merged with the group's own-block result ``out`` in one
+        pass, in place, or written into ``into`` (a contiguous result) where it is given."""
         blocks = [(*kernel.forward(q[:, :, block.q], *_heads_major(keys), NONE, scale), block.q)
                   for block, keys in self.others(gathered)]
-        if blocks:  # none at W = 1
-            merge_many_(out, lse, out, lse, blocks)
+        if blocks:
+            merge_many_(out if into is None else into, lse, out, lse, blocks)
+        elif into is not None:  # W = 1: nothing to merge
+            into.copy_(out)
 
     @staticmethod
     def result(kernel, q, out, lse):
@@ -337,14 +341,17 @@ class Llama3:
         plan_cls = plan_class(is_causal, kernel, docs)
         pending = comm.all_gather(plan_cls.message(k, v, groups[0]))
         plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs)
-        out, lse = plan.start(kernel, q, k, v, scale)
+        first, lse = plan.start(kernel, q, k, v, scale)
+        # The result is contiguous (the custom op's fake); a first out with q's other strides
+        # (cuDNN's, for a model's q) is merged into a new one rather than copied first.
+        out = first if first.is_contiguous() else first.new_empty(first.shape)
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
                 pending = comm.all_gather(plan.message(k, v, groups[i + 1]))
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
-            plan.forward_(kernel, q[:, q_heads], gathered, scale, out[:, q_heads],
-                          lse[:, q_heads])
+            plan.forward_(kernel, q[:, q_heads], gathered, scale, first[:, q_heads],
+                          lse[:, q_heads], None if out is first else out[:, q_heads])
         return plan.result(kernel, q, out, lse)
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
