@@ -116,7 +116,7 @@ class RingSchedule:
                  docs=None):
         world, local_len = comm.world_size, q.shape[2]
         dout, out = backward_operands(kernel, dout, out, q, docs)
-        dq = RowSums(fp32_empty(q)) if kernel.exact else HeldSums(q)
+        dq_sums = RowSums(fp32_empty(q)) if kernel.exact else HeldSums(q)
         # The rank's own K/V: their gradients stay here. An exact kernel adds them into fp32
         # sums itself; other kernels' results (in k's dtype) are held and added to the
         # accumulator that comes home in one pass at the end (``own_sum``).
@@ -126,10 +126,11 @@ class RingSchedule:
         def own(blocks):
             for block in blocks:
                 if own_sums is not None:
-                    block_backward(kernel, dout, q, k, v, out, lse, block, scale, dq, *own_sums)
+                    block_backward(kernel, dout, q, k, v, out, lse, block, scale, dq_sums,
+                                   *own_sums)
                 else:
                     own_parts.append((block.k, *block_backward(kernel, dout, q, k, v, out, lse,
-                                                               block, scale, dq)))
+                                                               block, scale, dq_sums)))
 
         early, late = split_own(self._blocks(comm, 0, local_len, is_causal, docs)[0],
                                 kernel.masks)
@@ -143,9 +144,10 @@ class RingSchedule:
             if pending_dkv is None:  # step 1 starts the travelling accumulator: kernels write it
                 dk, dv = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
                 for block in blocks:
-                    block_backward(kernel, dout, q, *kv, out, lse, block, scale, dq, dk, dv)
+                    block_backward(kernel, dout, q, *kv, out, lse, block, scale, dq_sums,
+                                   dk, dv)
             else:
-                step_dkv = [block_backward(kernel, dout, q, *kv, out, lse, block, scale, dq)
+                step_dkv = [block_backward(kernel, dout, q, *kv, out, lse, block, scale, dq_sums)
                             for block in blocks]
                 # Wait for the accumulator only now, so its transfer overlapped the compute.
                 dk, dv = (RowSums(t, written=True) for t in pending_dkv.wait())
@@ -155,7 +157,7 @@ class RingSchedule:
             pending_dkv = comm.send_recv_next([dk.result(), dv.result()])
         own(late)
         # dq before dK/dV: its fp32 sum is freed before their outputs are allocated (the peak)
-        dq = dq.result_in(q.dtype)
+        dq = dq_sums.result_in(q.dtype)
         if own_sums is not None:
             own_parts = [(slice(0, local_len), *(sums.result() for sums in own_sums))]
         # This rank's accumulator, home after W-1 hops.
