@@ -1,7 +1,7 @@
 """Per-rank speed on one GPU: one rank of a W-rank ring, communication replaced by ready buffers.
 
     python bench/per_rank.py --world 4 --tokens-per-gpu 2048,4096,8192 --heads 32 --kv-heads 32,8 \\
-        --out per_rank.json --plot per_rank.png       # one H100/H200; ~5 min, estimate printed
+        --out per_rank.json --plot per_rank.png       # one H100/H200; ~3.5 min, estimate printed
     python bench/per_rank.py ... --capture --tokens-per-gpu 2048,4096   # + CUDA graphs, ~6 min
     python bench/per_rank.py --plot-only per_rank.json --plot per_rank.png   # table + plot, no GPU
     python bench/per_rank.py --device cpu --world 4 --tokens-per-gpu 16 --heads 4 --kv-heads 4,2 \\
@@ -57,10 +57,11 @@ JSON is rewritten after every row; --budget-s skips what is left after that many
 table and plot are still written). Configs run largest first, so a cut drops the smallest.
 
 Run time (``estimate_s``, printed before the run): the default run, 6 configs x (2 ideal kernels +
-8 methods x 4 ranks), is ~5 min on one H100: per rank and method 1 + (2 + 20) forwards and
-1 + (2 + 20) forward+backwards (under 0.5 s at 8K tokens per GPU, host-bound below), a 4-iteration
-profile per method and config (~1 s, most of it the profiler's own), ~1 min of Triton compiles and
-cuDNN plans. --budget-s (default 480) keeps a slower run inside a 10-minute limit.
+8 methods x 4 ranks), took 3.3-3.4 min on one H100 (the estimate is pessimistic: ~6 min): per rank
+and method 1 + (2 + 20) + 20 forwards and as many forward+backwards (the last 20 the steady-state
+groups; under 0.7 s at 8K tokens per GPU, host-bound below), a 4-iteration profile per method and
+config (~1 s, most of it the profiler's own), ~1 min of Triton compiles and cuDNN plans.
+--budget-s (default 480) keeps a slower run inside a 10-minute limit.
 """
 import argparse
 import datetime
@@ -644,7 +645,8 @@ def estimate_s(args, cfg, name, capture=False):
     runs = args.warmup + args.iters
     if capture:  # per rank 2 captures (each with torch.cuda.graph's own gc.collect)
         return ranks * (0.8 + (4 + 2 * args.warmup + args.iters) * (fwd + fb) / 1e3)
-    seconds = 0.5 + ranks * (0.1 + (1 + runs) * (fwd + fb) / 1e3 + fb / 1e3)
+    steady = max(1, args.iters // STEADY_GROUP) * STEADY_GROUP  # measure's steady-state runs
+    seconds = 0.5 + ranks * (0.1 + (1 + runs + steady) * (fwd + fb) / 1e3 + fb / 1e3)
     if args.profile:
         seconds += 1.0 + (1 + args.profile_iters) * fb / 1e3
     return seconds
