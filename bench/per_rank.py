@@ -839,8 +839,8 @@ def _f(x, spec):
 KIND_COLUMNS = (("attention", "attn"), ("merge/accumulation", "merge"), ("copies", "copy"),
                 ("other", "other"))
 HEADER = (f"{'tok/GPU':>7} {'kv':>3} {'method':15} {'fwd ms':>8} {'frac':>5} {'fwd+bwd':>8} "
-          f"{'frac':>5} {'st f':>5} {'st fb':>5} {'host f':>7} {'host fb':>7} {'GiB':>5} {'launch f/b':>10}  "
-          f"{'fwd+bwd GPU ms: attn/merge/copy/other':38} rank")
+          f"{'frac':>5} {'st f':>5} {'st fb':>5} {'host f':>7} {'host fb':>7} {'GiB':>5} "
+          f"{'launch f/b':>10}  {'fwd+bwd GPU ms: attn/merge/copy/other':38} rank")
 
 
 def _kinds(profile):

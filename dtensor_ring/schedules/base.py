@@ -126,9 +126,10 @@ class HeldSums:
 
     def hold(self, rows: slice, x: torch.Tensor) -> None:
         self.held.append((x, rows))
-        if len(self._parts()) == self.per_pass:
+        parts = self._parts()
+        if len(parts) == self.per_pass:
             target = fp32_empty(self.like) if self.sum is None else self.sum
-            sum_many_(target, self._parts())
+            sum_many_(target, parts)
             self.sum, self.held = target, []
 
     def _parts(self) -> list:
@@ -150,11 +151,10 @@ class ForwardMerge:
     block's out in q's dtype (fp32 mode). The first block's result covers every row.
 
     Up to ``MAX_BLOCKS`` + 1 blocks (W <= 4): every result is held until the last, and all are
-    merged in one pass, written over the first block's (its out in q's dtype, its lse; a new
-    contiguous out where the first block's has q's other strides): one pass
-    over out, where merging as they come took W - 1, and no more memory: at most four results,
-    where merging as they come held the fp32 accumulator (two results' bytes), a result and the
-    first result or the output.
+    merged in one pass, written over the first block's (its out in q's dtype, its lse; or a new
+    contiguous out: ``merge_target``): one pass over out, where merging as they come took W - 1,
+    and no more memory: at most four results, where merging as they come held the fp32
+    accumulator (two results' bytes), a result and the first result or the output.
 
     More blocks: merged as they come, the second with the first into an fp32 accumulator, later
     ones in place, the last straight into the result in q's dtype (no separate cast)."""
@@ -169,17 +169,14 @@ class ForwardMerge:
         self.left -= 1
         if self.out is None:
             assert rows.indices(self.q.shape[2]) == (0, self.q.shape[2], 1), "first: every row"
-            # The result is contiguous, as the custom op's fake promises, but the first out may
-            # follow q's strides (cuDNN's does: a model's q is [B, S, H, D] memory): the merge
-            # then writes the result contiguous, which saves copying it first. A lone block is
-            # the result: copied. (The CPU kernel's LSE is a transposed view.)
+            # Kept as it is for the merge (``merge_target``); a lone block is the result:
+            # contiguous. (The CPU kernel's LSE is a transposed view.)
             self.out = block_out if self.left else block_out.contiguous()
             self.lse = block_lse.contiguous()
         elif self.held is not None:
             self.held.append((block_out, block_lse, rows))
             if not self.left:
-                target = (self.out if self.out.is_contiguous()
-                          else self.out.new_empty(self.out.shape))
+                target = merge_target(self.out)
                 merge_many_(target, self.lse, self.out, self.lse, self.held)
                 self.out, self.held = target, []
         elif self.accumulating and self.left:
@@ -191,6 +188,15 @@ class ForwardMerge:
 
     def result(self):
         return self.out, self.lse
+
+
+def merge_target(first: torch.Tensor) -> torch.Tensor:
+    """Where a forward merge over ``first`` (a block's out in q's dtype) writes its result:
+    ``first`` itself (in place) where it is contiguous, else a new contiguous tensor. The result
+    must be contiguous (the custom op's fake promises it), and a block's out may follow q's
+    strides (cuDNN's does, and a model's q is [B, S, H, D] memory): merging into a new tensor
+    saves copying ``first`` contiguous before the merge."""
+    return first if first.is_contiguous() else first.new_empty(first.shape)
 
 
 def result_out(out: torch.Tensor, q: torch.Tensor, kernel: BlockKernel) -> torch.Tensor:

@@ -59,7 +59,7 @@ from ..layouts.base import local_bounds, pairs
 from ..merge import MAX_PARTS, merge_many_, sum_many_
 from ..sharding import rank_major_positions
 from .base import (HeldSums, RowSums, attend_, backward_operands, block_backward, fp32_empty,
-                   result_out)
+                   merge_target, result_out)
 
 
 def head_groups(kv_heads: int, world_size: int) -> list[slice]:
@@ -342,9 +342,7 @@ class Llama3:
         pending = comm.all_gather(plan_cls.message(k, v, groups[0]))
         plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs)
         first, lse = plan.start(kernel, q, k, v, scale)
-        # The result is contiguous (the custom op's fake); a first out with q's other strides
-        # (cuDNN's, for a model's q) is merged into a new one rather than copied first.
-        out = first if first.is_contiguous() else first.new_empty(first.shape)
+        out = merge_target(first)
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
