@@ -77,6 +77,11 @@ def test_held_sums_give_the_bits_of_row_sums(device, dtype, count):
         assert len(held.held) < held.per_pass  # summed as soon as a pass is full
     got, want = held.result_in(dtype), row_sums.result_in(dtype)
     assert got.dtype == dtype and torch.equal(got, want)
+    # and both are the float64 sum, to within the output dtype's rounding (values up to ~1e3)
+    exact = torch.zeros(1, 2, 12, 4, dtype=torch.float64)
+    for rows, x in parts:
+        exact[:, :, rows] += x.double().cpu()
+    assert (got.double().cpu() - exact).abs().max() <= torch.finfo(dtype).eps * 2**10
     # a result held twice must show
     twice = HeldSums(like)
     for rows, x in parts + parts[-1:]:
