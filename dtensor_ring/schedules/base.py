@@ -5,6 +5,7 @@ from ..kernels import BlockKernel
 from ..kernels.base import Into
 from ..layouts import Block
 from ..merge import MAX_BLOCKS, MAX_PARTS, accumulate_, merge_, merge_many_, sum_many_
+from .words import zero_
 
 
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):
@@ -84,7 +85,7 @@ class RowSums:
         fresh = gaps == [(start, stop)]
         if not fresh:
             for a, b in gaps:
-                self.value[:, :, a:b].zero_()
+                zero_(self.value[:, :, a:b])
         self._mark(start, stop)
         return Into(self.value[:, :, start:stop], add=not fresh)
 
@@ -94,7 +95,7 @@ class RowSums:
 
     def result(self) -> torch.Tensor:
         for a, b in self._gaps(0, self.value.shape[2]):
-            self.value[:, :, a:b].zero_()
+            zero_(self.value[:, :, a:b])
         return self.value
 
     def result_in(self, dtype: torch.dtype) -> torch.Tensor:
