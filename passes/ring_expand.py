@@ -26,12 +26,16 @@ After (abridged; ``tests/test_ring_expand.py`` pins the full sequence):
 
 The rank and world size come from the process group named in the node, so the result is specific to
 this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph cache never hands one
-rank's graph to another. It also includes the DTensor rule's registered sequence schedules: the
+rank's graph to another, and every process group's name and members: the node names its group,
+and the same name stands for a group of another size in another run (two runs of one script on 2
+and on 4 GPUs, with the same tokens per GPU, hand inductor the same graph, and the on-disk cache
+handed the 4-GPU expansion to the 2-GPU run). It also includes the DTensor rule's registered sequence schedules: the
 graph Dynamo hands over is the same whatever schedule the rule then traces (it reads the
 registry below Dynamo), so without them the caches (AOTAutograd's and the FX graph cache, in memory
 and on disk) would hand a graph traced under one schedule to a run under another.
 """
 import collections
+import hashlib
 import operator
 
 import torch
@@ -39,7 +43,7 @@ import torch.distributed as dist
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import _resolve_process_group, _world
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dtensor_ring.comm import FunctionalComm
@@ -134,4 +138,11 @@ class RingExpandPass(CustomGraphPass):
 
     def uuid(self):
         rank = dist.get_rank() if dist.is_initialized() else -1
-        return f"{VERSION}-rank{rank}-{sequence_schedules_key()}"
+        return f"{VERSION}-rank{rank}-{process_groups_key()}-{sequence_schedules_key()}"
+
+
+def process_groups_key() -> str:
+    """Every process group of this process, as text: its name and its members' global ranks."""
+    groups = sorted((name, tuple(sorted(_world.pg_group_ranks.get(group, {}))))
+                    for group, name in _world.pg_names.items())
+    return hashlib.sha256(repr(groups).encode()).hexdigest()[:16]

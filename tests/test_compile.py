@@ -20,6 +20,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import dtensor_ring as dr
 from dtensor_ring import passes
+from dtensor_ring.kernels import BACKENDS
+from dtensor_ring.kernels.base import CAUSAL, NONE
+from dtensor_ring.kernels.cpu_flash import CpuFlash
 from dtensor_ring.models import Llama, LlamaConfig
 from dtensor_ring.numerics import attention_and_grads, make_inputs, rel_rms, sdpa
 from dist_utils import run_on_ranks
@@ -116,3 +119,41 @@ def _head_dim_changes(mesh):
 
 def test_compiled_ring_attention_takes_a_second_head_dim():
     run_on_ranks(2, _head_dim_changes)
+
+
+class _CudnnLikeKernel(CpuFlash):
+    """The CPU kernel as cuDNN's looks to the schedules: no bottom-right mask (llama3 attends its
+    own K/V first, then merges the others' into it in place) and an LSE that is a view of a
+    [B, H, S, 1] output."""
+    name = "cpu_flash_cudnn_like"
+    masks = (NONE, CAUSAL)
+
+    def forward(self, q, k, v, mask, scale, segments=None):
+        out, lse = super().forward(q, k, v, mask, scale, segments)
+        return out, lse.unsqueeze(-1).clone(memory_format=torch.contiguous_format).squeeze(-1)
+
+
+def _llama3_cudnn_like_compiles(mesh):
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    BACKENDS[_CudnnLikeKernel.name] = _CudnnLikeKernel()
+
+    def attend(a, b, c):
+        return dr.ring_attention(a, b, c, mesh=mesh, schedule="llama3", is_causal=True,
+                                 backend=_CudnnLikeKernel.name)
+
+    inputs = make_inputs(1, 8, 2, 16 * mesh.size(), 16)
+    reference = attention_and_grads(sdpa(True), *inputs, torch.float64)
+    local = attention_and_grads(
+        torch.compile(attend, fullgraph=True),
+        *(dr.shard_sequence(x, mesh, layout="zigzag") for x in inputs), torch.float32)
+    got = [dr.unshard_sequence(x.contiguous(), mesh, layout="zigzag") for x in local]
+    errors = [rel_rms(x, ref) for x, ref in zip(got, reference)]
+    assert max(errors) <= LIMIT, f"rel-RMS {errors}"
+
+
+def test_compiled_llama3_on_a_kernel_like_cudnn():
+    """Compiled llama3 on cuDNN at W >= 2 failed in inductor ("Argument 'view_6' of Node
+    'slice_tensor' was used before it has been defined"; torch 2.11 and 2.13) while it merged into
+    an LSE that was a view of the kernel's output; found on 4 H200s by bench/compile_vs_eager.py."""
+    run_on_ranks(2, _llama3_cudnn_like_compiles)

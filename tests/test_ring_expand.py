@@ -670,6 +670,24 @@ class PassPlumbingTest(expecttest.TestCase):
         self.assertEqual(gm.code, before)
         self.assertEqual(COUNTERS["graphs_without_ring_attention"], skipped + 1)
 
+    def test_cache_key_names_the_process_groups(self):
+        # The same rank and graph in a world of another size (a run on 2 GPUs after one on 4):
+        # another key, or inductor's on-disk cache hands back the other world's expansion.
+        from dtensor_ring.passes import RingExpandPass
+
+        four = RingExpandPass().uuid()
+        dist.destroy_process_group()
+        try:
+            dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+            two = RingExpandPass().uuid()
+            self.assertNotEqual(two, four)
+            dist.new_group([0, 1])  # a subgroup (a mesh dimension): another key again
+            self.assertNotEqual(RingExpandPass().uuid(), two)
+        finally:
+            dist.destroy_process_group()
+            dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+        self.assertEqual(RingExpandPass().uuid(), four)
+
     def test_install_keeps_a_users_pass_and_runs_it_after_ours(self):
         import torch._inductor.config as inductor_config
         from torch._inductor.custom_graph_pass import CustomGraphPass

@@ -253,7 +253,11 @@ class _OwnThenOthers:
         writes into a contiguous out, where this one has a model's q strides)."""
         assert not kernel.exact, f"{kernel.name}: exact kernels offer the bottom-right mask"
         out, lse = kernel.forward(q, k, v, self.local.mask, scale)
-        return out, lse.contiguous()
+        # A contiguous copy of the LSE, never a view of the kernel's output: the merges write it
+        # in place through head and row slices, and compiled, where it was a view of cuDNN's
+        # [B, H, S, 1] LSE, inductor (torch 2.11) put a functionalised write before the view it
+        # writes into at W >= 2 ("used before it has been defined"). 1 MB at 8K tokens, 32 heads.
+        return out, lse.clone(memory_format=torch.contiguous_format)
 
     def forward_(self, kernel, q, gathered, scale, out, lse, into):
         """X and Y of a group of q heads, merged with the group's own-block result ``out`` in one
