@@ -29,10 +29,11 @@ this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph c
 rank's graph to another, and every process group's name and members: the node names its group,
 and the same name stands for a group of another size in another run (two runs of one script on 2
 and on 4 GPUs, with the same tokens per GPU, hand inductor the same graph, and the on-disk cache
-handed the 4-GPU expansion to the 2-GPU run). It also includes the DTensor rule's registered sequence schedules: the
-graph Dynamo hands over is the same whatever schedule the rule then traces (it reads the
-registry below Dynamo), so without them the caches (AOTAutograd's and the FX graph cache, in memory
-and on disk) would hand a graph traced under one schedule to a run under another.
+handed the 4-GPU expansion to the 2-GPU run). It also includes the DTensor rule's registered
+sequence schedules: the graph Dynamo hands over is the same whatever schedule the rule then
+traces (it reads the registry below Dynamo), so without them the caches (AOTAutograd's and the
+FX graph cache, in memory and on disk) would hand a graph traced under one schedule to a run
+under another.
 """
 import collections
 import hashlib

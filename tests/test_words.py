@@ -1,4 +1,5 @@
-"""schedules/words.py: strided copies and fills in machine words give torch's results bit for bit."""
+"""schedules/words.py: strided copies and fills in machine words give torch's results, bit for
+bit."""
 import pytest
 import torch
 
