@@ -536,9 +536,7 @@ def run_schedule(name, cfg, x, args, device):
     row["per_rank"] = per_rank
     if row["error"] is not None:
         return row
-    row["fwd_ms"], row["fwd_rank"] = _worst(per_rank, "fwd_ms")
-    row["fwd_bwd_ms"], row["fwd_bwd_rank"] = _worst(per_rank, "fwd_bwd_ms")
-    for key in STEADY_TIMES:
+    for key in TIMES:  # the steady-state times only on CUDA
         if all(key in r for r in per_rank):
             row[key], row[key.removesuffix("_ms") + "_rank"] = _worst(per_rank, key)
     for key in ("host_fwd_ms", "host_fwd_bwd_ms", "mem_gib", "comm_buffers_gib"):

@@ -38,11 +38,11 @@ def stacked(tensors, dim: int) -> torch.Tensor:
     first = tensors[0]
     if is_fake(first):
         return torch.stack(tensors, dim)
-    stacked = first.new_empty(*first.shape[:dim], len(tensors), *first.shape[dim:])
+    out = first.new_empty(*first.shape[:dim], len(tensors), *first.shape[dim:])
     for i, x in enumerate(tensors):
-        target, source = as_words(stacked.select(dim, i), x)
+        target, source = as_words(out.select(dim, i), x)
         target.copy_(source)
-    return stacked
+    return out
 
 
 def copied(x: torch.Tensor, reorder) -> torch.Tensor:
