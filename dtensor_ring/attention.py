@@ -25,6 +25,7 @@ from .comm import ProcessGroupComm
 from .consistency import check as check_consistency
 from .documents import documents
 from .kernels import kernel_named, resolve_backend
+from .layouts.windows import check_window, effective_window, window_args
 from .mesh import check_device, resolve_group
 from .schedules import get_schedule
 from .sharding import from_rank_major
@@ -33,26 +34,28 @@ from .validation import check_int, check_options, check_qkv
 
 
 def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_mask, dropout_p,
-             cu_seqlens, max_seqlen, world_size, seq_len):
+             cu_seqlens, max_seqlen, window, world_size, seq_len):
     check_qkv(q, k, v)
     check_options(is_causal=is_causal, scale=scale, precision=precision, attn_mask=attn_mask,
                   dropout_p=dropout_p)
+    window = check_window(window)
     sched = get_schedule(schedule)
     docs = documents(cu_seqlens, max_seqlen, seq_len,
                      sched.layout.document_multiple(world_size), sched.layout.name, q.device)
+    window = effective_window(window, is_causal, seq_len if docs is None else docs.max_len)
     # Under torch.compile a head dim seen to change (the same code compiled again) becomes
     # symbolic, which resolve_backend (a constant) cannot take. operator.index makes Dynamo
     # specialise it (a guard on its value); int() and math.trunc leave it symbolic.
     head_dim = operator.index(q.shape[-1])
     kernel = kernel_named(resolve_backend(backend, q.device, q.dtype, head_dim, precision,
-                                          docs is not None))
+                                          docs is not None, window is not None))
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    return sched, dict(is_causal=is_causal, scale=scale, kernel=kernel, docs=docs)
+    return sched, dict(is_causal=is_causal, scale=scale, kernel=kernel, docs=docs, window=window)
 
 
 def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=None,
                    precision="fp32", backend="auto", attn_mask=None, dropout_p=0.0,
-                   cu_seqlens=None, max_seqlen=None):
+                   cu_seqlens=None, max_seqlen=None, window=None):
     """Attention over the whole sequence from this rank's shards; returns this rank's output shard.
 
     q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] hold this rank's tokens in the schedule's
@@ -63,20 +66,26 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     form (``shard_sequence(..., cu_seqlens=cu_seqlens)``); attention stays within each document.
     ``max_seqlen``: the longest document's length (an upper bound will do); with ``cu_seqlens`` on
     the device, give it to avoid reading the boundaries back to the host (``documents.py``).
+
+    Sliding window: ``window=(left, right)``, a query at position p sees the keys at p - left ..
+    p + right (-1: unbounded; with ``is_causal`` the right side is the diagonal); Hugging Face's
+    ``sliding_window=w`` is ``(w - 1, 0)`` (``layouts/windows.py``). Only the ranks within reach
+    exchange K/V (``schedules/windowed.py``); with documents, within each document.
     """
     group = resolve_group(mesh)
     world = dist.get_world_size(group)
     sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
                               precision=precision, backend=backend, attn_mask=attn_mask,
                               dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              world_size=world, seq_len=q.shape[2] * world)
+                              window=window, world_size=world, seq_len=q.shape[2] * world)
     check_device(mesh, q, "query")
     sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
     docs = options["docs"]
     if not _use_op(q):
         check_consistency(group, q, k, schedule=schedule, is_causal=is_causal,
                           precision=precision, scale=options["scale"],
-                          cu_seqlens=None if docs is None else docs.cu)  # ops.py checks the rest
+                          cu_seqlens=None if docs is None else docs.cu,
+                          window=options["window"])  # ops.py checks the rest
         return _Ring.apply(q, k, v, group, sched, options)
     # The documents' boundaries go into the graph as a tensor (new boundaries: no recompile);
     # the bound on their length sizes kernel grids, so it is a constant of the graph
@@ -84,7 +93,8 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     out, _ = ops.ring_attention_fwd(q, k, v, group.group_name, schedule, is_causal,
                                     options["scale"], options["kernel"].name, precision,
                                     None if docs is None else docs.cu,
-                                    0 if docs is None else operator.index(docs.max_len))
+                                    0 if docs is None else operator.index(docs.max_len),
+                                    *window_args(options["window"]))
     return out.to(q.dtype)  # exact kernels leave the merged out in fp32 (kept for the backward)
 
 
@@ -153,12 +163,13 @@ class _SimulatedRing(torch.autograd.Function):
 
 def simulate_ring(q, k, v, *, world_size, schedule="zigzag", is_causal=False, scale=None,
                   precision="fp32", backend="auto", attn_mask=None, dropout_p=0.0,
-                  cu_seqlens=None, max_seqlen=None):
+                  cu_seqlens=None, max_seqlen=None, window=None):
     """``ring_attention`` for ``world_size`` simulated ranks in this process.
 
     Whole tensors in natural order in and out; each simulated rank runs the real schedule on its
     shard with the same kernels and arithmetic, so numerics at large W are testable on one device.
-    ``cu_seqlens`` / ``max_seqlen``: packed documents, as in ``ring_attention``.
+    ``cu_seqlens`` / ``max_seqlen``: packed documents, ``window``: a sliding window, as in
+    ``ring_attention``.
     """
     check_int(world_size, "world_size", 1, "a positive int")
     check_qkv(q, k, v)
@@ -167,5 +178,5 @@ def simulate_ring(q, k, v, *, world_size, schedule="zigzag", is_causal=False, sc
     sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
                               precision=precision, backend=backend, attn_mask=attn_mask,
                               dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              world_size=world_size, seq_len=q.shape[2])
+                              window=window, world_size=world_size, seq_len=q.shape[2])
     return _SimulatedRing.apply(q, k, v, world_size, sched, options)

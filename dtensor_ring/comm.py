@@ -29,6 +29,13 @@ class Communicator(Protocol):
         ``wait()`` gives the list. One message per tensor, posted together: K and V travel
         without being copied into one buffer first."""
 
+    def send_recv(self, offset: int, send: list[torch.Tensor], recv_shapes: list) -> Pending:
+        """Send ``send`` to rank + ``offset`` and receive tensors of ``recv_shapes`` (dtype and
+        device of the ``send`` tensor at the same place) from rank - ``offset`` (mod W);
+        ``wait()`` gives the list. A tensor of no elements is not sent or received. Every rank
+        calls it at the same points (its traced form is a collective), with nothing to move
+        where it has nothing: the sliding-window exchange (``schedules/windowed.py``)."""
+
     def all_gather(self, tensor: torch.Tensor) -> Pending:
         """Every rank's ``tensor`` stacked along a new leading dim of size W, in rank order."""
 
@@ -79,7 +86,8 @@ NCCL_HEAD_START_CYCLES = 20_000
 
 
 # What ``ProcessGroupComm`` has posted in this process since it started (or since you cleared it):
-# the number of each operation ("send_recv_next", "all_gather", "reduce_scatter") and "bytes",
+# the number of each operation ("send_recv_next", "send_recv", "all_gather", "reduce_scatter")
+# and "bytes",
 # the bytes this rank handed to them. The eager ring's exchanges, for tests and accounting (e.g. an
 # activation-checkpointing recompute's extra traffic); compiled graphs communicate through
 # functional collectives instead (``dtensor_ring.passes.COUNTERS``).
@@ -112,6 +120,23 @@ class ProcessGroupComm:
         ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
         works = dist.batch_isend_irecv(ops)  # one NCCL group: one kernel
+        if self._nccl:
+            torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
+        return _Works(works, received)
+
+    def send_recv(self, offset, send, recv_shapes):
+        sending = [t.contiguous() for t in send if t.numel()]
+        received = [t.new_empty(shape) for t, shape in zip(send, recv_shapes)]
+        receiving = [r for r in received if r.numel()]
+        if not sending and not receiving:
+            return _Done(received)
+        to = dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
+        source = dist.get_global_rank(self.group, (self.rank - offset) % self.world_size)
+        if sending:
+            _count("send_recv", sending)
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sending]
+        ops += [dist.P2POp(dist.irecv, r, source, self.group) for r in receiving]
+        works = dist.batch_isend_irecv(ops)
         if self._nccl:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
         return _Works(works, received)
@@ -178,6 +203,22 @@ class FunctionalComm:
                 for r in range(self.world_size)]
         return _Wait(torch.ops._c10d_functional.all_to_all_single(
             tensor.contiguous(), recv, send, self.group_name))
+
+    def send_recv(self, offset, send, recv_shapes):
+        # One all_to_all_single per tensor, flattened (the two sides may hold different shapes),
+        # with at most one non-zero split each way; every rank emits it, moving nothing where
+        # it has nothing to move.
+        to = (self.rank + offset) % self.world_size
+        source = (self.rank - offset) % self.world_size
+        pending = []
+        for tensor, shape in zip(send, recv_shapes):
+            size = torch.Size(shape).numel()
+            out = [tensor.numel() if r == to else 0 for r in range(self.world_size)]
+            into = [size if r == source else 0 for r in range(self.world_size)]
+            pending.append(_Wait(torch.ops._c10d_functional.all_to_all_single(
+                tensor.contiguous().view(-1), into, out, self.group_name),
+                lambda t, shape=shape: t.view(shape)))
+        return _WaitAll(pending)
 
     def all_gather(self, tensor):
         gathered = torch.ops._c10d_functional.all_gather_into_tensor(

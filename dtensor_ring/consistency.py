@@ -71,6 +71,8 @@ FIELDS = (
     ("scale", "scale"),
     ("documents", "number of packed documents (0: none)"),
     ("document_boundaries", "cu_seqlens (hashed)"),
+    ("window_left", "window[0], the sliding window's left side (-1: unbounded or none)"),
+    ("window_right", "window[1], the sliding window's right side (-1: unbounded or none)"),
 )
 _STRINGS = ("dtype", "schedule", "layout", "precision")
 _MAX_SIGNATURES = 4096  # per group; cleared when full (the same on every rank that agrees)
@@ -126,20 +128,20 @@ def _is_fake(x) -> bool:
 
 
 def signature(q, k, *, schedule: str, is_causal: bool, precision: str, scale: float,
-              cu_seqlens=None) -> tuple:
+              cu_seqlens=None, window=None, world: int = 1) -> tuple:
     """The values of ``FIELDS`` for one call (``schedule="auto"`` resolved to the one it runs)."""
     batch, q_heads, local_len, head_dim = map(_size, q.shape)
     kv_heads = _size(k.shape[1])
     sched = get_schedule(schedule)
     if sched is AUTO:  # Auto.pick, on plain ints (symbolic head counts would add a guard)
-        sched = SCHEDULES["llama3" if q_heads // max(kv_heads, 1) >= AUTO.llama3_min_ratio
-                          else "zigzag"]
+        sched = SCHEDULES[AUTO.choose(q_heads, kv_heads, local_len, world, is_causal, window)]
     return (batch, local_len, q_heads, kv_heads, head_dim, str(q.dtype), sched.name,
-            sched.layout.name, bool(is_causal), precision, float(scale), *_documents(cu_seqlens))
+            sched.layout.name, bool(is_causal), precision, float(scale), *_documents(cu_seqlens),
+            *((-1, -1) if window is None else tuple(window)))
 
 
 def check(group: dist.ProcessGroup, q, k, *, schedule: str, is_causal: bool, precision: str,
-          scale: float, cu_seqlens=None) -> None:
+          scale: float, cu_seqlens=None, window=None) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all ranks call with this signature
     (see the module docstring); a no-op for a signature this group has checked already."""
     if _mode == "off":
@@ -149,18 +151,19 @@ def check(group: dist.ProcessGroup, q, k, *, schedule: str, is_causal: bool, pre
         if dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
             return  # nothing to compare with (a fake group's collectives return no data)
         seen = _checked[group] = set()
-    sig = None
+    sig, world = None, dist.get_world_size(group)
     if _is_fake(q) and any(isinstance(n, torch.SymInt) for n in (*q.shape, *k.shape)):
         key = sig = signature(q, k, schedule=schedule, is_causal=is_causal, precision=precision,
-                              scale=scale, cu_seqlens=cu_seqlens)  # symbolic sizes: unhashable
+                              scale=scale, cu_seqlens=cu_seqlens, window=window,
+                              world=world)  # symbolic sizes: unhashable
     else:  # the raw arguments, cheaper than the signature; the same traced and eagerly
         key = (q.shape, k.shape, q.dtype, schedule, is_causal, precision, scale,
-               _NO_DOCUMENTS if cu_seqlens is None else _documents(cu_seqlens))
+               _NO_DOCUMENTS if cu_seqlens is None else _documents(cu_seqlens), window)
     if _mode == "new" and key in seen:
         return
     if sig is None:
         sig = signature(q, k, schedule=schedule, is_causal=is_causal, precision=precision,
-                        scale=scale, cu_seqlens=cu_seqlens)
+                        scale=scale, cu_seqlens=cu_seqlens, window=window, world=world)
     with _outside_tracing():
         rows = _all_gather(group, [_encode(v) for v in sig], q.device)
     if any(row != rows[0] for row in rows):

@@ -1,9 +1,9 @@
 """``ReplayComm``: one rank of a W-rank ring on its own, communication replaced by ready buffers.
 
 A ``Communicator`` (``comm.py``) whose operations hand back, at once, buffers of the shapes and
-dtypes the peers would have sent: ``send_recv_next`` one like each tensor sent, ``all_gather``
-[W, *shape], ``reduce_scatter`` ``shape[1:]``. Nothing is transferred or copied and what is sent is
-ignored, so a schedule run through it does exactly one rank's own work (block kernels, merges,
+dtypes the peers would have sent: ``send_recv_next`` one like each tensor sent, ``send_recv``
+one of each shape asked for, ``all_gather`` [W, *shape], ``reduce_scatter`` ``shape[1:]``.
+Nothing is transferred or copied and what is sent is ignored, so a schedule run through it does exactly one rank's own work (block kernels, merges,
 accumulations, copies, host work) and none of the communication. ``bench/per_rank.py`` times that
 against the single-GPU ideal (DESIGN.md, "How we measure"); with nothing to transfer, capturing
 a schedule in a CUDA graph needs only one GPU (``bench/per_rank.py --capture`` tries it).
@@ -85,6 +85,9 @@ class ReplayComm:
         if self.world_size == 1:
             return _Done(list(tensors))  # as the real communicators: nothing to exchange
         return _Done(self._take([(t.shape, t) for t in tensors]))
+
+    def send_recv(self, offset, send, recv_shapes):
+        return _Done(self._take([(shape, t) for t, shape in zip(send, recv_shapes)]))
 
     def all_gather(self, tensor):
         return _Done(self._take([((self.world_size, *tensor.shape), tensor)])[0])

@@ -51,7 +51,7 @@ from dtensor_ring.comm import FunctionalComm
 from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.ops import schedule_call
 
-VERSION = "ring_expand-1"
+VERSION = "ring_expand-2"
 COUNTERS: collections.Counter = collections.Counter()
 
 
@@ -61,7 +61,8 @@ def _schedule_fn(node):
     forward = node.target is torch.ops.dtensor_ring.ring_attention_fwd.default
     n_tensors = 3 if forward else 6
     tensors, options = list(node.args[:n_tensors]), node.args[n_tensors:]
-    group_name, schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen = options
+    (group_name, schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen,
+     window_left, window_right) = options
     group = _resolve_process_group(group_name)
     comm = FunctionalComm(group_name, dist.get_rank(group), dist.get_world_size(group))
     q = tensors[0 if forward else 1].meta["val"]
@@ -72,7 +73,8 @@ def _schedule_fn(node):
     def call(*args):
         args = list(args)
         cu = args.pop() if has_docs else None
-        sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen)
+        sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen,
+                                      window_left, window_right)
         run = sched.forward if forward else sched.backward
         return run(comm, *args, is_causal=is_causal, scale=scale, **kwargs)
 

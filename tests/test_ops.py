@@ -25,8 +25,9 @@ def _inputs(requires_grad):
 
 @pytest.mark.parametrize("schedule", sorted(dtensor_ring.SCHEDULES))
 @pytest.mark.parametrize("is_causal", [True, False])
-def test_opcheck(group_name, schedule, is_causal):
-    options = (group_name, schedule, is_causal, 0.25, "cpu_flash", "fp32", None, 0)
+@pytest.mark.parametrize("window", [(-1, -1), (3, 2)], ids=["no window", "window"])
+def test_opcheck(group_name, schedule, is_causal, window):
+    options = (group_name, schedule, is_causal, 0.25, "cpu_flash", "fp32", None, 0, *window)
     torch.library.opcheck(ops.ring_attention_fwd, (*_inputs(True), *options))
     q, k, v = _inputs(False)
     out, lse = ops.ring_attention_fwd(q, k, v, *options)
@@ -40,7 +41,7 @@ def test_opcheck_transposed_inputs(group_name):
     def transposed(x):
         return x.transpose(1, 2).contiguous().transpose(1, 2)
 
-    options = (group_name, "zigzag", True, 0.25, "cpu_flash", "fp32", None, 0)
+    options = (group_name, "zigzag", True, 0.25, "cpu_flash", "fp32", None, 0, -1, -1)
     q, k, v = map(transposed, _inputs(False))
     torch.library.opcheck(ops.ring_attention_fwd, (q, k, v, *options))
     out, lse = ops.ring_attention_fwd(q, k, v, *options)
@@ -56,7 +57,7 @@ def _eager_and_op(group_name, precision, backend):
         q, k, v = (x.bfloat16().detach().requires_grad_() for x in _inputs(False))
         if use_op:
             out, _ = ops.ring_attention_fwd(q, k, v, group_name, "zigzag", True, 0.25, backend,
-                                            precision, None, 0)
+                                            precision, None, 0, -1, -1)
             out = out.to(q.dtype)
         else:
             out = dtensor_ring.ring_attention(q, k, v, mesh=group, schedule="zigzag",

@@ -29,11 +29,12 @@ def expanded(schedule, is_causal, backward, documents=False):
     options = (group, schedule, is_causal, 0.25, "cpu_flash", "fp32")
     if backward:
         gm = make_fx(lambda d, q, k, v, o, lse, cu: ops.ring_attention_bwd(
-            d, q, k, v, o, lse, *options, cu if documents else None, 64 if documents else 0),
+            d, q, k, v, o, lse, *options, cu if documents else None, 64 if documents else 0,
+            -1, -1),
             tracing_mode="fake")(Q, Q, KV, KV, Q, LSE, CU)
     else:
         gm = make_fx(lambda q, k, v, cu: ops.ring_attention_fwd(
-            q, k, v, *options, cu if documents else None, 64 if documents else 0),
+            q, k, v, *options, cu if documents else None, 64 if documents else 0, -1, -1),
             tracing_mode="fake")(Q, KV, KV, CU)
     before = sum(COUNTERS.values())
     assert expand_ring_attention(gm.graph) == 1
@@ -715,7 +716,7 @@ class PassPlumbingTest(expecttest.TestCase):
             self.assertIsNotNone(composed.uuid())
             gm = make_fx(lambda q, k, v: ops.ring_attention_fwd(
                 q, k, v, dist.group.WORLD.group_name, "zigzag", True, 0.25, "cpu_flash", "fp32",
-                None, 0),
+                None, 0, -1, -1),
                 tracing_mode="fake")(Q, KV, KV)
             composed(gm.graph)
             self.assertEqual(seen, [False])  # the user's pass saw the graph after the expansion

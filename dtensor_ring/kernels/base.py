@@ -26,6 +26,10 @@ which keys; the mask applies within each segment, bottom-right aligned), offered
 ``documents = True``, which then also offer "causal_bottom_right". A q row that sees no key (an
 empty segment) gets out 0 and LSE -inf, which the merges leave out; the backward gives it dq 0,
 and keys no row sees get dk = dv = 0.
+
+Sliding windows: every method also takes ``window`` (``layouts/windows.py``: a ``Band`` on a plain
+block, ``Positions`` with segments), offered in the forms listed in ``windows``
+(``kernels/windows.py``); it bounds what each row sees on top of the mask and segments.
 """
 from typing import NamedTuple, Optional
 
@@ -43,21 +47,23 @@ class BlockKernel:
     supports_gqa = True
     masks = (NONE, CAUSAL)
     documents = False  # takes ``segments`` (packed documents)
+    windows: tuple = ()  # the window forms it takes: "band", "positions" (kernels/windows.py)
 
     def available(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         raise NotImplementedError
 
-    def forward(self, q, k, v, mask: str, scale: float, segments=None):
+    def forward(self, q, k, v, mask: str, scale: float, segments=None, window=None):
         raise NotImplementedError
 
     def forward_into(self, out, lse, fresh: bool, q, k, v, mask: str, scale: float,
-                     segments=None) -> None:
+                     segments=None, window=None) -> None:
         """``forward`` into the fp32 accumulator ``out``/``lse`` (views of its rows): written
         where ``fresh`` (the rows hold nothing yet), else merged into what they hold."""
-        block_out, block_lse = self.forward(q, k, v, mask, scale, segments)
+        block_out, block_lse = self.forward(q, k, v, mask, scale, segments, window)
         (init_ if fresh else merge_)(out, lse, block_out, block_lse)
 
-    def backward(self, dout, q, k, v, out, lse, mask: str, scale: float, segments=None):
+    def backward(self, dout, q, k, v, out, lse, mask: str, scale: float, segments=None,
+                 window=None):
         raise NotImplementedError
 
     def backward_layout(self, x: torch.Tensor, q: torch.Tensor, documents: bool) -> torch.Tensor:
@@ -68,10 +74,11 @@ class BlockKernel:
         return x
 
     def backward_into(self, into: "tuple[Optional[Into], Optional[Into], Optional[Into]]",
-                      dout, q, k, v, out, lse, mask: str, scale: float, segments=None):
+                      dout, q, k, v, out, lse, mask: str, scale: float, segments=None,
+                      window=None):
         """(dq, dk, dv) as ``backward``, except that each with an ``Into`` goes into it and is
         None in the result; dk and dv both have one (with the same ``add``) or neither."""
-        grads = self.backward(dout, q, k, v, out, lse, mask, scale, segments)
+        grads = self.backward(dout, q, k, v, out, lse, mask, scale, segments, window)
         for target, grad in zip(into, grads):
             if target is not None:
                 accumulate_(target.view, grad, target.add)

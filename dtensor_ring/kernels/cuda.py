@@ -16,10 +16,14 @@ Measured on an H200 (torch 2.11, cuDNN 9.19): cuDNN's forward and backward and f
 give the same results on the views as on contiguous copies, so they get the views (a copy was
 40-54 us per tensor at 8K tokens); flash's backward gives wrong gradients on row-sliced
 q/dout/out/lse views, so it gets contiguous copies (``backward_takes_views``).
+
+Sliding windows: an edge block's band goes to PyTorch's flash op with window sizes, for both
+kernels (cuDNN through PyTorch takes no window); ``windows.py``.
 """
 import torch
 
 from .base import MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
+from . import windows as _windows
 
 _aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
@@ -41,7 +45,15 @@ class _CudaKernel(BlockKernel):
     def _op_available(self):
         return True
 
-    def forward(self, q, k, v, mask, scale, segments=None):
+    @property
+    def windows(self):
+        """Bands, through the flash op (``windows.py``), where it takes them and is enabled."""
+        usable = _windows.FLASH_TAKES_WINDOWS and torch.backends.cuda.flash_sdp_enabled()
+        return (_windows.BAND,) if usable else ()
+
+    def forward(self, q, k, v, mask, scale, segments=None, window=None):
+        if window is not None:
+            return _windows.flash_forward(q, k, v, window, scale)
         if segments is not None:
             return self._varlen_forward(q, k, v, mask != NONE, scale, segments)
         groups, causal = q.shape[1] // k.shape[1], mask != NONE
@@ -49,7 +61,9 @@ class _CudaKernel(BlockKernel):
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         return self._forward(_rows_strided(q), _rows_strided(k), _rows_strided(v), causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None, window=None):
+        if window is not None:
+            return _windows.flash_backward(dout, q, k, v, out, lse, window, scale)
         if segments is not None:
             return self._varlen_backward(dout, q, k, v, out, lse, mask != NONE, scale, segments)
         causal = mask != NONE

@@ -53,14 +53,16 @@ class Efficient(BlockKernel):
         return (device.type == "cuda" and torch.cuda.is_available() and dtype in _DTYPES
                 and head_dim % 8 == 0 and torch.backends.cuda.mem_efficient_sdp_enabled())
 
-    def forward(self, q, k, v, mask, scale, segments=None):
+    def forward(self, q, k, v, mask, scale, segments=None, window=None):
+        assert window is None, "no sliding windows (windows = ())"
         groups = q.shape[1] // k.shape[1]
         out, lse = _aten._efficient_attention_forward(
             _bshd(q), _bshd(repeat_kv(k, groups)), _bshd(repeat_kv(v, groups)), None, None, None,
             None, None, 0.0, _MASK_TYPE[mask], True, scale=scale)[:2]
         return out.transpose(1, 2), lse[:, :, :q.shape[2]]
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None, window=None):
+        assert window is None, "no sliding windows (windows = ())"
         groups = q.shape[1] // k.shape[1]
         dq, dk, dv = efficient_backward(dout, q, repeat_kv(k, groups), repeat_kv(v, groups), out,
                                         lse, _MASK_TYPE[mask], scale)

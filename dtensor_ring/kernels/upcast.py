@@ -23,16 +23,17 @@ class Upcast(BlockKernel):
     def __init__(self, name: str, inner: BlockKernel):
         self.name, self.inner, self.masks = name, inner, inner.masks
         self.supports_gqa, self.documents = inner.supports_gqa, inner.documents
+        self.windows = inner.windows
 
     def available(self, device, dtype, head_dim):
         return dtype in _FLOATS and self.inner.available(device, torch.float32, head_dim)
 
-    def forward(self, q, k, v, mask, scale, segments=None):
-        return self.inner.forward(q.float(), k.float(), v.float(), mask, scale, segments)
+    def forward(self, q, k, v, mask, scale, segments=None, window=None):
+        return self.inner.forward(q.float(), k.float(), v.float(), mask, scale, segments, window)
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None, window=None):
         return self.inner.backward(dout.float(), q.float(), k.float(), v.float(), out.float(),
-                                   lse, mask, scale, segments)
+                                   lse, mask, scale, segments, window)
 
 
 def cpu_flash_exact() -> Upcast:

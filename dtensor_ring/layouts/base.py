@@ -26,12 +26,14 @@ class Block:
     """One kernel call: local q rows ``q`` attend k rows ``k`` of the K/V held this step, under
     ``mask``: "none", "causal" (square, q row i sees k rows 0..i of the slice) or
     "causal_bottom_right" (see kernels/base.py). With packed documents, ``segments`` says which
-    rows of the block attend which (the mask then applies within each segment)."""
+    rows of the block attend which (the mask then applies within each segment). With a sliding
+    window, ``window`` (``windows.Band`` or ``windows.Positions``) bounds what each row sees."""
 
     q: slice
     k: slice
     mask: str
     segments: Optional[Segments] = None
+    window: Optional[object] = None
 
 
 class Layout:
@@ -65,6 +67,11 @@ class Layout:
         return self.document_positions(local_len, rank, world_size, docs)
 
     def dense_positions(self, local_len, rank, world_size) -> torch.Tensor:
+        raise NotImplementedError
+
+    def runs(self, local_len: int, rank: int, world_size: int) -> list:
+        """Rank ``rank``'s tokens (no documents) as ``windows.Run``s: local rows at evenly spaced
+        global positions (what ``windows.band_block`` takes)."""
         raise NotImplementedError
 
     def document_positions(self, local_len, rank, world_size, docs) -> torch.Tensor:

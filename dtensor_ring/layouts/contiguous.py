@@ -20,6 +20,7 @@ rank's rows is skipped: no kernel call.
 import torch
 
 from .base import Block, Layout, Segments, whole
+from .windows import Run
 
 
 class Contiguous(Layout):
@@ -30,6 +31,9 @@ class Contiguous(Layout):
 
     def document_positions(self, local_len, rank, world_size, docs):
         return torch.arange(rank * local_len, (rank + 1) * local_len, device=docs.cu.device)
+
+    def runs(self, local_len, rank, world_size):
+        return [Run(0, local_len, rank * local_len, 1)]
 
     def causal_ring_blocks(self, local_len, rank, src, world_size):
         everything = slice(0, local_len)

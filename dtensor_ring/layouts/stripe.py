@@ -31,6 +31,7 @@ block per document, as three segments, so that the q rows and key rows stay pack
 import torch
 
 from .base import Block, Layout, Segments, doc_index, local_bounds, pairs, whole
+from .windows import Run
 
 
 class Stripe(Layout):
@@ -46,6 +47,9 @@ class Stripe(Layout):
         bounds = local_bounds(docs, world_size)
         doc, j = doc_index(bounds, local_len)
         return docs.cu.long()[doc] + j * world_size + rank
+
+    def runs(self, local_len, rank, world_size):
+        return [Run(0, local_len, rank, world_size)]
 
     def causal_ring_blocks(self, local_len, rank, src, world_size):
         if src <= rank:

@@ -34,6 +34,7 @@ with empty segments where a part takes no part, so that q rows and key rows stay
 import torch
 
 from .base import Block, Layout, Segments, doc_index, local_bounds, pairs, whole
+from .windows import Run
 
 
 class Zigzag(Layout):
@@ -59,6 +60,10 @@ class Zigzag(Layout):
         first = torch.arange(rank * half, (rank + 1) * half)
         late = 2 * world_size - 1 - rank
         return torch.cat([first, torch.arange(late * half, (late + 1) * half)])
+
+    def runs(self, local_len, rank, world_size):
+        half = local_len // 2
+        return [Run(0, half, rank * half, 1), Run(half, half, (2 * world_size - 1 - rank) * half, 1)]
 
     def document_positions(self, local_len, rank, world_size, docs):
         bounds = local_bounds(docs, world_size)

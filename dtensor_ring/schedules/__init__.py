@@ -3,6 +3,7 @@ rule and the compile pass; ``get_schedule("auto")`` picks one of them from the h
 from ..layouts import CONTIGUOUS, STRIPE, ZIGZAG
 from .llama3 import Llama3
 from .ring import RingSchedule
+from .windowed import exchange_rows
 
 SCHEDULES = {
     "ring": RingSchedule("ring", CONTIGUOUS),
@@ -13,27 +14,43 @@ SCHEDULES = {
 
 
 class Auto:
-    """``schedule="auto"``: the zigzag layout, and the exchange chosen per call from the head counts.
+    """``schedule="auto"``: the zigzag layout, and the exchange chosen per call (docs/design.md,
+    "The cost model of auto").
 
-    llama3 (all-gather) when query heads >= ``llama3_min_ratio`` x key/value heads (strong GQA):
-    K/V are then a small fraction of the traffic a ring step's compute hides, gathering them is
-    cheap and the forward needs no merge; zigzag (P2P ring) otherwise. Both hold the same zigzag
-    shards, so the choice never changes how inputs are sharded. To override: name the schedule,
-    or set ``Auto.llama3_min_ratio``.
+    With a sliding window, zigzag when its windowed exchange (``windowed.py``: K/V only from the
+    ranks within reach) moves at most ``window_rows_ratio`` of what llama3's all-gather moves
+    (the rank receiving most, in K/V rows): the window cuts the compute of both alike, but only
+    the windowed exchange's bytes. Otherwise, llama3 (all-gather) when query heads >=
+    ``llama3_min_ratio`` x key/value heads (strong GQA): K/V are then a small fraction of the
+    traffic a ring step's compute hides, gathering them is cheap and the forward needs no merge;
+    zigzag (P2P ring) otherwise. Both hold the same zigzag shards, so the choice never changes how
+    inputs are sharded. To override: name the schedule, or set the two ratios.
     """
 
     name, layout = "auto", ZIGZAG
     llama3_min_ratio = 4
+    window_rows_ratio = 0.5
 
-    def pick(self, q, k):
-        gqa_ratio = q.shape[1] // k.shape[1]
-        return SCHEDULES["llama3" if gqa_ratio >= self.llama3_min_ratio else "zigzag"]
+    def choose(self, q_heads: int, kv_heads: int, local_len: int, world: int,
+               is_causal: bool = False, window=None) -> str:
+        """The schedule's name, from ints (``consistency.py`` resolves it the same way)."""
+        if window is not None and world > 1:
+            rows, _ = exchange_rows(ZIGZAG, local_len, world, is_causal, window)
+            if rows <= self.window_rows_ratio * (world - 1) * local_len:
+                return "zigzag"
+        return "llama3" if q_heads // max(kv_heads, 1) >= self.llama3_min_ratio else "zigzag"
+
+    def pick(self, q, k, world: int, is_causal: bool = False, window=None):
+        return SCHEDULES[self.choose(q.shape[1], k.shape[1], q.shape[2], world, is_causal,
+                                     window)]
 
     def forward(self, comm, q, k, v, **options):
-        return self.pick(q, k).forward(comm, q, k, v, **options)
+        picked = self.pick(q, k, comm.world_size, options["is_causal"], options.get("window"))
+        return picked.forward(comm, q, k, v, **options)
 
     def backward(self, comm, dout, q, k, v, out, lse, **options):
-        return self.pick(q, k).backward(comm, dout, q, k, v, out, lse, **options)
+        picked = self.pick(q, k, comm.world_size, options["is_causal"], options.get("window"))
+        return picked.backward(comm, dout, q, k, v, out, lse, **options)
 
 
 AUTO = Auto()

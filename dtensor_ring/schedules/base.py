@@ -11,7 +11,14 @@ from .words import zero_
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):
     """Attention of ``block`` merged into ``out``/``lse`` (fp32); ``fresh``: its rows are untouched."""
     kernel.forward_into(out[:, :, block.q], lse[:, :, block.q], fresh, q[:, :, block.q],
-                        k[:, :, block.k], v[:, :, block.k], block.mask, scale, block.segments)
+                        k[:, :, block.k], v[:, :, block.k], block.mask, scale, block.segments,
+                        block.window)
+
+
+def forward_block(kernel: BlockKernel, q, k, v, block: Block, scale: float):
+    """(out, lse) of ``block`` as the kernel returns them."""
+    return kernel.forward(q[:, :, block.q], k[:, :, block.k], v[:, :, block.k], block.mask,
+                          scale, block.segments, block.window)
 
 
 def backward_operands(kernel: BlockKernel, dout, out, q, docs):
@@ -38,7 +45,7 @@ def block_backward(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, s
     into = (dq.claim(rows), *((dk.claim(cols), dv.claim(cols)) if dk is not None else (None,) * 2))
     dq_block, dk_block, dv_block = kernel.backward_into(
         into, dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
-        lse[:, :, rows], block.mask, scale, block.segments)
+        lse[:, :, rows], block.mask, scale, block.segments, block.window)
     if into[0] is None:
         dq.hold(rows, dq_block)
     return None if dk is not None else (dk_block, dv_block)

@@ -48,6 +48,11 @@ chunks of c rows; natural keys [D, D')), with e = (r + 1) c and f = (2W - r) c k
                                      none | [D+f, D')
 
 Every row sees keys in exactly one of the two, so the merge of B into A just places B's rows.
+
+A sliding window (``window``): ``_NaturalOrder`` for every kernel, each q chunk's block cut to the
+keys within reach (``layouts/windows.py``: skipped keys, a band at the edges; with documents the
+window as positions). The all-gather still moves every rank's K/V: ``schedule="auto"`` weighs that
+against the ring schedules' windowed exchange (``schedules/__init__.py``).
 """
 import torch
 
@@ -55,6 +60,7 @@ from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
+from ..layouts.windows import Run, band_block, with_positions
 from ..merge import MAX_PARTS, accumulate_, merge_many_, sum_many_
 from ..sharding import rank_major_positions
 from .base import (HeldSums, RowSums, attend_, backward_operands, block_backward, fp32_empty,
@@ -151,11 +157,17 @@ class _NaturalOrder:
 
     local = None  # no block on the rank's own K/V alone
 
-    def __init__(self, rank, world, local_len, is_causal, docs):
+    def __init__(self, rank, world, local_len, is_causal, docs, window=None, masks=()):
         self.world, self.docs = world, docs
         half = local_len // 2
         if docs is not None:
             self.blocks = _document_blocks(rank, world, local_len, is_causal, docs)
+            if window is not None:
+                self.blocks = _with_window(self.blocks, rank, world, local_len, docs, window)
+        elif window is not None:  # each chunk's rows against the natural keys within reach
+            keys = Run(0, world * local_len, 0, 1)
+            self.blocks = [(band_block(run, keys, window, is_causal, masks), True)
+                           for run in ZIGZAG.runs(local_len, rank, world)]
         elif not is_causal:
             self.blocks = [(Block(slice(0, local_len), slice(0, world * local_len), NONE), True)]
         else:
@@ -208,6 +220,14 @@ class _NaturalOrder:
         return received if self.docs is None else received.movedim(0, -2)
 
 
+def _with_window(blocks, rank, world, local_len, docs, window):
+    """Document blocks with the window as positions: the rank's zigzag rows, natural keys."""
+    rows = docs.cached(("positions", ZIGZAG.name, local_len, rank, world),
+                       lambda: ZIGZAG.positions(local_len, rank, world, docs))
+    keys = torch.arange(world * local_len, device=docs.cu.device)
+    return [(with_positions(block, rows, keys, window), fresh) for block, fresh in blocks]
+
+
 class _OwnThenOthers:
     """Causal, for a kernel without the bottom-right mask: the rank's own K/V in one causal block
     (``local``), then per group X and Y of the grid above, on the gathered K/V as they arrive.
@@ -218,7 +238,8 @@ class _OwnThenOthers:
     natural order is never built. The backward writes Y's dK/dV straight into the buffer that is
     reduce-scattered and copies X's into it."""
 
-    def __init__(self, rank, world, local_len, is_causal, docs):
+    def __init__(self, rank, world, local_len, is_causal, docs, window=None, masks=()):
+        assert window is None, "plan_class sends windows to _NaturalOrder"
         self.rank, self.world, self.half = rank, world, local_len // 2
         self.local = Block(slice(0, local_len), slice(0, local_len), CAUSAL)
 
@@ -312,10 +333,10 @@ def _heads_major(kv):
     return tuple(kv[:, i].permute(1, 2, 0, 3) for i in range(2))
 
 
-def plan_class(is_causal, kernel, docs):
+def plan_class(is_causal, kernel, docs, window=None):
     """The plan class; constructed after the first gather is posted (with documents, building
     the blocks takes device work)."""
-    if is_causal and docs is None and CAUSAL_BOTTOM_RIGHT not in kernel.masks:
+    if is_causal and docs is None and window is None and CAUSAL_BOTTOM_RIGHT not in kernel.masks:
         return _OwnThenOthers
     return _NaturalOrder
 
@@ -323,11 +344,13 @@ def plan_class(is_causal, kernel, docs):
 class Llama3:
     name, exchange, layout = "llama3", "allgather", ZIGZAG
 
-    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
+    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None,
+                window=None):
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
-        plan_cls = plan_class(is_causal, kernel, docs)
+        plan_cls = plan_class(is_causal, kernel, docs, window)
         pending = comm.all_gather(plan_cls.message(k, v, groups[0]))
-        plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs)
+        plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs, window,
+                        kernel.masks)
         first, lse = plan.start(kernel, q, k, v, scale)
         out = merge_target(first)
         for i, heads in enumerate(groups):
@@ -340,7 +363,7 @@ class Llama3:
         return plan.result(kernel, q, out, lse)
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
-                 docs=None):
+                 docs=None, window=None):
         world = comm.world_size
         dout, out = backward_operands(kernel, dout, out, q, docs)
         groups, q_per_kv = head_groups(k.shape[1], world), q.shape[1] // k.shape[1]
@@ -350,9 +373,9 @@ class Llama3:
         # dK/dV: per group, the own block's (16-bit, or an exact kernel's fp32 sums) and the
         # reduce-scattered share (fp32) summed in one pass straight into the outputs
         dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
-        plan_cls = plan_class(is_causal, kernel, docs)
+        plan_cls = plan_class(is_causal, kernel, docs, window)
         pending_kv, pending_grad = comm.all_gather(plan_cls.message(k, v, groups[0])), None
-        plan = plan_cls(comm.rank, world, q.shape[2], is_causal, docs)
+        plan = plan_cls(comm.rank, world, q.shape[2], is_causal, docs, window, kernel.masks)
         own = {}  # group index -> the own block's (dk, dv) of that group's heads
 
         def receive(g):

@@ -34,12 +34,15 @@ per-document grid is drawn in its file), and the own block is split as above wit
 document: the early part is every document's rows and keys before h (causal), the late part every
 document's rows from h on against all of its keys (bottom-right causal: a document that starts
 before h keeps seeing its keys there).
+
+A sliding window (``window``) runs ``windowed.py`` instead: K/V only from the ranks within reach.
 """
 
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import Block, Layout
 from ..merge import sum_many_
+from . import windowed
 from .base import (ForwardMerge, HeldSums, RowSums, attend_, backward_operands,
                    block_backward, fp32_empty)
 
@@ -91,7 +94,11 @@ class RingSchedule:
         assert step or (len(blocks) == 1 and blocks[0].q == blocks[0].k == slice(0, local_len))
         return blocks
 
-    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
+    def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None,
+                window=None):
+        if window is not None:
+            return windowed.forward(self.layout, comm, q, k, v, is_causal=is_causal, scale=scale,
+                                    kernel=kernel, docs=docs, window=window)
         world, local_len = comm.world_size, q.shape[2]
         steps = [self._blocks(comm, step, local_len, is_causal, docs) for step in range(world)]
         if kernel.exact:  # its kernel writes or merges into the fp32 accumulator itself
@@ -113,7 +120,11 @@ class RingSchedule:
         return (out, lse) if kernel.exact else merged.result()
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
-                 docs=None):
+                 docs=None, window=None):
+        if window is not None:
+            return windowed.backward(self.layout, comm, dout, q, k, v, out, lse,
+                                     is_causal=is_causal, scale=scale, kernel=kernel, docs=docs,
+                                     window=window)
         world, local_len = comm.world_size, q.shape[2]
         dout, out = backward_operands(kernel, dout, out, q, docs)
         dq_sums = RowSums(fp32_empty(q)) if kernel.exact else HeldSums(q)
