@@ -28,6 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .. import ops
 from ..kernels import get_kernel
 from ..layouts import get_layout
+from ..layouts.windows import check_window, effective_window, window_args
 from ..validation import check_options, check_qkv
 from .kept_out import keep, kept
 from .local_attention import local_backward, local_forward
@@ -86,16 +87,20 @@ def _options(plan: SdpaPlan, spec, a, lq):
     check_options(is_causal=a["is_causal"], scale=a["scale"], precision=plan.entry.precision,
                   attn_mask=None, dropout_p=a["dropout_p"])
     scale = 1.0 / math.sqrt(lq.shape[-1]) if a["scale"] is None else float(a["scale"])
+    # The registered window (SDPA has no argument for one), over the global sequence.
+    window = effective_window(check_window(plan.entry.window), a["is_causal"],
+                              lq.shape[2] * plan.world_size)
     kernel = get_kernel(plan.entry.backend, lq.device, lq.dtype, lq.shape[-1],
-                        plan.entry.precision)
-    return dict(is_causal=a["is_causal"], scale=scale, kernel=kernel)
+                        plan.entry.precision, window=window is not None)
+    return dict(is_causal=a["is_causal"], scale=scale, kernel=kernel, window=window)
 
 
 def _op_options(plan: SdpaPlan, a, options) -> tuple:
     """The trailing arguments of ``ops.ring_attention_fwd/bwd``: one graph node under compile."""
     group = plan.mesh.get_group(plan.seq_mesh_dim)
     return (group.group_name, plan.entry.schedule, a["is_causal"], options["scale"],
-            options["kernel"].name, plan.entry.precision, None, 0)
+            options["kernel"].name, plan.entry.precision, None, 0,
+            *window_args(options["window"]))
 
 
 def _local_layout_args(plan: SdpaPlan) -> dict:

@@ -4,7 +4,8 @@ A ``Shard(2)`` placement says *that* a DTensor's sequence is split over a mesh d
 Plain ``Shard(2)`` means the contiguous layout (rank r holds chunk r), so a DTensor's global view is
 the true sequence and SDPA on it runs the ``ring`` schedule. To hold zigzag or stripe shards
 instead, record the schedule for the mesh dimension here; the SDPA rule reads it, forward and
-backward.
+backward. SDPA has no argument for a sliding window, so a window is recorded here too (``window``:
+every SDPA on sequence-sharded DTensors of that dimension runs with it until the entry changes).
 
 Who sets an entry:
 
@@ -37,6 +38,7 @@ from torch._dynamo.source import AttrSource, ImportSource
 from torch._guards import TracingContext
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..layouts.windows import check_window
 from ..schedules import get_schedule
 from ..validation import check_precision
 
@@ -51,6 +53,7 @@ class SequenceSharding:
     precision: str = "fp32"
     backend: str = "auto"
     size: int | None = None  # the mesh dimension's size when registered; None: the default entry
+    window: tuple | None = None  # a sliding window (left, right), as ``ring_attention`` takes it
 
     @property
     def layout(self) -> str:
@@ -95,15 +98,19 @@ def dim_label(mesh: DeviceMesh, index: int) -> str:
 
 
 def set_sequence_schedule(mesh: DeviceMesh, schedule: str = "zigzag", *, mesh_dim=None,
-                          precision: str = "fp32", backend: str = "auto") -> SequenceSharding:
+                          precision: str = "fp32", backend: str = "auto",
+                          window=None) -> SequenceSharding:
     """Record that sequence shards on ``mesh``'s dimension ``mesh_dim`` are in ``schedule``'s
-    layout, and that SDPA on them runs ``schedule`` with ``precision`` and ``backend``."""
+    layout, and that SDPA on them runs ``schedule`` with ``precision``, ``backend`` and the
+    sliding ``window`` (as in ``ring_attention``; None: none)."""
     get_schedule(schedule)
     check_precision(precision)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str; got {backend!r}")
+    window = check_window(window)
     index = mesh_dim_index(mesh, mesh_dim)
-    entry = SequenceSharding(schedule, precision, backend, mesh.size(index))
+    entry = SequenceSharding(schedule, precision, backend, mesh.size(index),
+                             None if window is None else tuple(window))
     _replace(dim_key(mesh, index), entry)
     return entry
 

@@ -55,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..attention import ring_attention
 from ..layouts import get_layout
+from ..layouts.windows import check_window
 from ..schedules import get_schedule
 from ..sharding import sequence_positions, shard_sequence
 from ..validation import check_int
@@ -107,7 +108,8 @@ class _SequenceSdpa(TorchFunctionMode):
                               is_causal=is_causal, scale=scale, precision=self.style.precision,
                               backend=self.style.backend, dropout_p=dropout_p,
                               cu_seqlens=None if packed is None else packed.cu_seqlens,
-                              max_seqlen=None if packed is None else packed.max_seqlen)
+                              max_seqlen=None if packed is None else packed.max_seqlen,
+                              window=self.style.window)
 
 
 # torch.utils.checkpoint as Dynamo traces it: a higher-order op whose first argument is the body.
@@ -183,13 +185,17 @@ class ContextParallel(ParallelStyle):
     (1 for [batch, seq] token ids); ``precision``/``backend``: as in ``dr.ring_attention``;
     ``seq_inputs``: names of the arguments to shard (default: every tensor argument);
     ``position_ids``: the name of the forward parameter to fill with global positions (None: never);
-    ``documents``: look for packed documents (``cu_seqlens`` or restarting position ids).
+    ``documents``: look for packed documents (``cu_seqlens`` or restarting position ids);
+    ``window``: a sliding window for every SDPA the module runs, as in ``dr.ring_attention``
+    (``(w - 1, 0)`` for a Mistral-style window of w tokens; per-layer windows: ``dtensor_ring.hf``
+    takes them from the model's config, or call ``dr.ring_attention`` with ``window=``).
     """
 
     def __init__(self, schedule: str = "zigzag", *, seq_dim: int = 1, precision: str = "fp32",
                  backend: str = "auto", seq_inputs=None, position_ids: str | None = "position_ids",
-                 documents: bool = True):
+                 documents: bool = True, window=None):
         super().__init__()
+        self.window = check_window(window)
         self.layout = get_layout(get_schedule(schedule).layout.name)
         check_int(seq_dim, "seq_dim", 0, "a non-negative int (the sequence dim of the module's "
                   "inputs, e.g. 1 for [batch, seq])")
@@ -207,7 +213,8 @@ class ContextParallel(ParallelStyle):
         self._packed = None  # the packed documents of the last forward (packed.py)
 
     def _register(self, mesh):
-        set_sequence_schedule(mesh, self.schedule, precision=self.precision, backend=self.backend)
+        set_sequence_schedule(mesh, self.schedule, precision=self.precision, backend=self.backend,
+                              window=self.window)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:

@@ -1,0 +1,241 @@
+"""Sliding windows on 4 gloo ranks: ``ring_attention`` for every schedule against float64 with the
+same window, on every rank (and the same bits as ``simulate_ring``); the bytes the windowed
+exchange moves per layer against the full ring (``dtensor_ring.comm.TRAFFIC``); ranks that pass
+different windows; the DTensor SDPA rule with a registered window (ring and replicated key/value);
+and ``ContextParallel(window=...)`` on the repository's Llama against the same model with a
+windowed mask on one process.
+
+Tolerances: ``numerics.TOLERANCE`` (the single-device kernel's own error, SDPA with the window as a
+mask), stripe in fp32 as in test_windows.py; models: fp32 rel-RMS <= 1e-5 of float64, as in
+test_context_parallel.py. Every rank asserts.
+"""
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.overrides import TorchFunctionMode
+
+import dtensor_ring as dr
+from dtensor_ring import dtensor as drt
+from dtensor_ring.comm import TRAFFIC
+from dtensor_ring.layouts import LAYOUTS
+from dtensor_ring.layouts.windows import Window
+from dtensor_ring.models import Llama, LlamaConfig
+from dtensor_ring.numerics import attention_and_grads, make_inputs, ratios, rel_rms
+from dtensor_ring.schedules.windowed import dense_plan
+from dist_utils import run_on_ranks
+from dtensor_helpers import expect_error
+from test_windows import _check, window_mask, windowed_sdpa
+
+LOCAL = 32
+# (is_causal, window): smaller than a rank's share, equal, larger; two-sided
+CASES = [(True, (5, 0)), (True, (LOCAL - 1, 0)), (True, (70, 0)), (False, (6, 3))]
+
+
+def _attention(mesh, failures):
+    world, rank = mesh.size(), mesh.get_local_rank()
+    q, k, v, dout = make_inputs(2, 4, 2, world * LOCAL, 16, seed=11)
+    for schedule in sorted(dr.SCHEDULES):
+        layout = dr.SCHEDULE_LAYOUT[schedule]
+
+        def shard(x):
+            return dr.shard_sequence(x, mesh, layout=layout)
+
+        for (is_causal, window), (dtype, precision) in zip(
+                CASES * 2, [(torch.float32, "fp32")] * 4 + [(torch.bfloat16, "exact")] * 4):
+            where = f"rank {rank} {schedule} {precision} causal={is_causal} window={window}"
+            options = dict(schedule=schedule, is_causal=is_causal, window=window,
+                           precision=precision)
+            sdpa = windowed_sdpa(is_causal, window)
+            reference = attention_and_grads(sdpa, q, k, v, dout, torch.float64)
+            single = attention_and_grads(sdpa, q, k, v, dout, dtype)
+            got = attention_and_grads(
+                lambda a, b, c: dr.ring_attention(a, b, c, mesh=mesh, **options),
+                *map(shard, (q, k, v, dout)), dtype)
+            try:
+                _check(ratios(got, list(map(shard, single)), list(map(shard, reference))),
+                       schedule, dtype, where)
+            except AssertionError as failure:
+                failures.append(str(failure))
+            sim = attention_and_grads(lambda a, b, c: dr.simulate_ring(
+                a, b, c, world_size=world, **options), q, k, v, dout, dtype)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, sim):
+                if not torch.equal(a, shard(b)):
+                    failures.append(f"{where}: {name} differs from simulate_ring")
+
+
+def _documents(mesh, failures):
+    world, rank = mesh.size(), mesh.get_local_rank()
+    cu = [0, 32, 48, 128]
+    q, k, v, dout = make_inputs(1, 4, 2, 128, 16, seed=12)
+    sdpa = windowed_sdpa(True, (6, 0), cu)
+    reference = attention_and_grads(sdpa, q, k, v, dout, torch.float64)
+    single = attention_and_grads(sdpa, q, k, v, dout, torch.float32)
+    for schedule in sorted(dr.SCHEDULES):
+        layout = dr.SCHEDULE_LAYOUT[schedule]
+
+        def shard(x):
+            return dr.shard_sequence(x, mesh, layout=layout, cu_seqlens=torch.tensor(cu))
+
+        got = attention_and_grads(lambda a, b, c: dr.ring_attention(
+            a, b, c, mesh=mesh, schedule=schedule, is_causal=True, window=(6, 0),
+            cu_seqlens=torch.tensor(cu)), *map(shard, (q, k, v, dout)), torch.float32)
+        try:
+            _check(ratios(got, list(map(shard, single)), list(map(shard, reference))),
+                   schedule, torch.float32, f"rank {rank} {schedule} documents")
+        except AssertionError as failure:
+            failures.append(str(failure))
+
+
+def _traffic(mesh, failures):
+    """Bytes this rank sends for one layer's forward and backward: the full ring's W - 1 K/V
+    messages each way (and the travelling fp32 dK/dV), against the windowed exchange's rows
+    within reach (and their dK/dV coming back, which the receiver sends)."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    q, k, v, dout = make_inputs(1, 4, 2, world * LOCAL, 16, seed=13)
+    row = 2 * k.shape[1] * k.shape[3]  # K and V elements per token
+
+    def sent(schedule, window):
+        shards = [dr.shard_sequence(x, mesh, layout=dr.SCHEDULE_LAYOUT[schedule])
+                  for x in (q, k, v, dout)]
+        TRAFFIC.clear()
+        attention_and_grads(lambda a, b, c: dr.ring_attention(
+            a, b, c, mesh=mesh, schedule=schedule, is_causal=True, window=window), *shards,
+            torch.bfloat16)
+        return TRAFFIC["bytes"]
+
+    full = sent("ring", None)
+    if full != (world - 1) * LOCAL * row * (2 + 2 + 4):  # K/V bf16 twice, fp32 dK/dV once
+        failures.append(f"rank {rank}: the full ring sent {full} bytes")
+    for schedule, window in [("ring", (5, 0)), ("ring", (40, 0)), ("zigzag", (5, 0))]:
+        plans = [dense_plan(LAYOUTS[dr.SCHEDULE_LAYOUT[schedule]], r, world, LOCAL, True,
+                            Window(*window), ("none", "causal")) for r in range(world)]
+        mine = plans[rank]
+        rows_out = sum(s.send_rows.stop - s.send_rows.start for s in mine.steps)
+        rows_back = sum(s.recv_rows.stop - s.recv_rows.start for s in mine.steps)
+        want = rows_out * row * (2 + 2) + rows_back * row * 4
+        got = sent(schedule, window)
+        if got != want or not got < full / 2:
+            failures.append(f"rank {rank} {schedule} window={window}: sent {got} bytes, want "
+                            f"{want} (the full ring: {full})")
+    last = sent("ring", (5, 0))  # every rank: a collective
+    if rank == world - 1 and last != 5 * row * 4:
+        failures.append(f"rank {rank}: the last rank sent {last} bytes; it sends no K/V to rank "
+                        "0 (no wrap-around), only the dK/dV of rank W-2's rows back")
+
+
+def _different_windows(mesh, failures):
+    rank = mesh.get_local_rank()
+    q = torch.randn(1, 2, LOCAL, 16)
+    expect_error(failures, f"rank {rank} windows differ", ValueError,
+                 lambda: dr.ring_attention(q, q, q, mesh=mesh, schedule="ring", is_causal=True,
+                                           window=(5 + (rank == 1), 0)),
+                 "called differently", "window_left", "5 on ranks 0, 2, 3; 6 on rank 1")
+    expect_error(failures, f"rank {rank} bad window", ValueError,
+                 lambda: dr.ring_attention(q, q, q, mesh=mesh, is_causal=True, window=(-2, 0)),
+                 "window=(-2, 0) must be None or (left, right)")
+
+
+def _dtensor_rule(mesh, failures):
+    """SDPA on sequence-sharded DTensors with a registered window; key/value replicated too."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    q, k, v, dout = make_inputs(2, 4, 2, world * LOCAL, 16, seed=14)
+    sdpa = windowed_sdpa(True, (9, 0))
+    reference = attention_and_grads(sdpa, q, k, v, dout, torch.float64)
+    single = attention_and_grads(sdpa, q, k, v, dout, torch.float32)
+    for schedule, replicated in [("zigzag", False), ("ring", False), ("stripe", True)]:
+        where = f"rank {rank} DTensor {schedule}" + (" replicated k/v" if replicated else "")
+        layout = dr.SCHEDULE_LAYOUT[schedule]
+        drt.set_sequence_schedule(mesh, schedule, window=(9, 0))
+        try:
+            def fn(a, b, c):
+                a = DTensor.from_local(a, mesh, [Shard(2)], run_check=False)
+                b, c = (DTensor.from_local(x, mesh, [Replicate()] if replicated else [Shard(2)],
+                                           run_check=False) for x in (b, c))
+                return F.scaled_dot_product_attention(a, b, c, is_causal=True,
+                                                      enable_gqa=True).to_local()
+
+            def shard(x):
+                return dr.shard_sequence(x, mesh, layout=layout)
+
+            kv = (lambda x: x) if replicated else shard  # replicated: whole dK/dV come back
+            got = attention_and_grads(fn, shard(q), kv(k), kv(v), shard(dout), torch.float32)
+            shards = (shard, shard, kv, kv)
+            _check(ratios(got, [f(x) for f, x in zip(shards, single)],
+                          [f(x) for f, x in zip(shards, reference)]), schedule, torch.float32,
+                   where)
+        except AssertionError as failure:
+            failures.append(str(failure))
+        finally:
+            drt.clear_sequence_schedule(mesh)
+
+
+class _WindowedSdpa(TorchFunctionMode):
+    """On one process: the model's causal SDPA with the window as a mask (the reference)."""
+
+    def __init__(self, window):
+        super().__init__()
+        self.window = window
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention and kwargs.pop("is_causal", False):
+            positions = torch.arange(args[0].shape[2])
+            kwargs["attn_mask"] = window_mask(positions, positions, self.window, True)
+        return func(*args, **kwargs)
+
+
+def _context_parallel(mesh, failures):
+    world, rank = mesh.size(), mesh.get_local_rank()
+    torch.manual_seed(0)
+    config = LlamaConfig()
+    base = Llama(config)
+    gen = torch.Generator().manual_seed(15)
+    ids = torch.randint(0, config.vocab_size, (2, world * LOCAL), generator=gen)
+    labels = torch.randint(0, config.vocab_size, (2, world * LOCAL), generator=gen)
+    window = (11, 0)
+
+    def run(model, mode=None):
+        model.zero_grad()
+        if mode is None:
+            loss = model(ids, labels=labels).loss
+        else:
+            with mode:
+                loss = model(ids, labels=labels).loss
+        loss.backward()
+        return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+    reference = run(copy.deepcopy(base).double(), _WindowedSdpa(window))
+    unwindowed = run(copy.deepcopy(base).double())
+    for schedule in ("zigzag", "ring"):
+        cp = parallelize_module(copy.deepcopy(base), mesh,
+                                dr.ContextParallel(schedule, window=window))
+        loss, _ = run(cp)
+        drt.sync_gradients(cp, mesh)
+        grads = {n: p.grad.double() for n, p in cp.named_parameters()}
+        dist.all_reduce(loss, group=mesh.get_group())
+        loss = loss / world
+        flat = rel_rms(torch.cat([grads[n].flatten() for n in grads]),
+                       torch.cat([reference[1][n].flatten() for n in grads]))
+        if not (rel_rms(loss, reference[0]) <= 1e-5 and flat <= 1e-5):
+            failures.append(f"rank {rank} ContextParallel({schedule!r}, window={window}): loss "
+                            f"{rel_rms(loss, reference[0]):.2e}, grads {flat:.2e}")
+    changed = rel_rms(torch.cat([unwindowed[1][n].flatten() for n in unwindowed[1]]),
+                      torch.cat([reference[1][n].flatten() for n in unwindowed[1]]))
+    if not changed > 100 * 1e-5:  # the unwindowed model must miss the tolerance by far
+        failures.append(f"rank {rank}: the window changes the gradients by only {changed:.2e}")
+
+
+def _ranks(mesh):
+    failures = []
+    for part in (_attention, _documents, _traffic, _different_windows, _dtensor_rule,
+                 _context_parallel):
+        part(mesh, failures)
+    assert not failures, "\n".join(failures)
+
+
+def test_windows_on_4_gloo_ranks():
+    run_on_ranks(4, _ranks)
