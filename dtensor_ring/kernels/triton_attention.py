@@ -13,12 +13,18 @@ The backward kernels write their fp32 gradients into the caller's tensors (any s
 schedules' accumulator views) or, with ADD, add them to what those hold: no separate pass.
 
 The masks (``kernels/base.py``): q row i sees k row j iff j <= i + ``offset`` when CAUSAL, with
-offset 0 for "causal" and Sk - Sq for "causal_bottom_right". Each program walks its tiles in two
-kinds of loop: tiles every row of which sees every column of (no mask, no bounds checks: most of
-the work), and the others (the diagonal band, the ragged ends past Sq or Sk), masked:
+offset 0 for "causal" and Sk - Sq for "causal_bottom_right". A sliding window's band
+(``layouts/windows.py``) is CAUSAL with offset hi and, with WINDOW = 1, j >= i + ``win_lo``
+(trimmed blocks: win_lo <= 0 <= hi). Each program walks its tiles in two kinds of loop: tiles
+every row of which sees every column of (no mask, no bounds checks: most of the work), and the
+others (the band's two edges, the ragged ends past Sq or Sk), masked:
 
-    k tiles:      0 ...... full_end ...... end            (forward, dq: one q tile's view)
-                  unmasked  | masked band  |  unseen (causal)
+    k tiles:      start ..... first_full ...... full_end ...... end     (forward, dq: a q tile)
+    unseen (window) | masked edge | unmasked  | masked band  |  unseen (causal)
+
+With packed documents and a window (WINDOW = 2) the window is given by global positions (PosQ,
+PosK: row i sees column j iff PosK[j] >= PosQ[i] - win_left and PosK[j] <= PosQ[i] + win_right),
+checked in the documents' masked tiles.
 
 Head dims below the tile width (d = 80 runs in 128-wide tiles) mask the loads' columns.
 
@@ -168,12 +174,25 @@ def _store(base, idx, stride, n, dims, stride_d, value, ADD: tl.constexpr, HEAD_
 
 
 @triton.jit
-def _visible(rows, cols, seq_q, seq_k, offset, CAUSAL: tl.constexpr):
-    """True where q row sees k col, both in range (``rows``, ``cols``: broadcastable index grids)."""
+def _visible(rows, cols, seq_q, seq_k, offset, win_lo, CAUSAL: tl.constexpr,
+             WINDOW: tl.constexpr):
+    """True where q row sees k col, both in range (``rows``, ``cols``: broadcastable index
+    grids)."""
     seen = (rows < seq_q) & (cols < seq_k)
     if CAUSAL:
         seen = seen & (cols <= rows + offset)
+    if WINDOW == 1:
+        seen = seen & (cols >= rows + win_lo)
     return seen
+
+
+@triton.jit
+def _in_window(PosQ, PosK, rows, cols, seq_q, seq_k, win_left, win_right):
+    """WINDOW = 2: where the global positions of ``rows`` and ``cols`` (broadcastable index grids)
+    lie within the window."""
+    pos_q = tl.load(PosQ + rows, mask=rows < seq_q, other=0)
+    pos_k = tl.load(PosK + cols, mask=cols < seq_k, other=0)
+    return (pos_k >= pos_q - win_left) & (pos_k <= pos_q + win_right)
 
 
 @triton.jit
@@ -189,14 +208,19 @@ def _visible_in_documents(row_seg, row_lim, col_seg, cols, CAUSAL: tl.constexpr)
 
 @triton.jit
 def _seen_by_q_tile(rows, cols, seq_q, seq_k, offset, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
-                    SegK, row_seg, row_lim):
+                    SegK, row_seg, row_lim, win_lo, PosQ, PosK, win_left, win_right,
+                    WINDOW: tl.constexpr):
     """[M, N]: which of a q tile's ``rows`` see which k ``cols`` (the forward's and dq's tiles)."""
     if DOCS:
         col_seg = tl.load(SegK + cols, mask=cols < seq_k, other=-2)
         seen = _visible_in_documents(row_seg[:, None], row_lim[:, None], col_seg[None, :],
                                      cols[None, :], CAUSAL)
+        if WINDOW == 2:
+            seen = seen & _in_window(PosQ, PosK, rows[:, None], cols[None, :], seq_q, seq_k,
+                                     win_left, win_right)
     else:
-        seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, CAUSAL)
+        seen = _visible(rows[:, None], cols[None, :], seq_q, seq_k, offset, win_lo, CAUSAL,
+                        WINDOW)
     return seen
 
 
@@ -225,33 +249,42 @@ def _row_segments(SegQ, LimQ, rows, seq_q):
 
 
 @triton.jit
-def _q_tile_bounds(m0, seq_k, offset, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """For the q tile starting at row m0: (full_end, end). k tiles below full_end are seen whole
-    by every row; [full_end, end) is the masked band and ragged end."""
+def _q_tile_bounds(m0, seq_k, offset, win_lo, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the q tile starting at row m0: (start, first_full, full_end, end). k tiles in
+    [first_full, full_end) are seen whole by every row; [start, first_full) is the window's
+    masked edge, [full_end, end) the masked band and ragged end (each may be empty)."""
     full_end = seq_k // BLOCK_N * BLOCK_N
     end = seq_k
     if CAUSAL:
         full_end = tl.minimum(full_end, (m0 + offset + 1) // BLOCK_N * BLOCK_N)
         end = tl.minimum(seq_k, m0 + BLOCK_M + offset)
-    return full_end, end
+    start = 0
+    first_full = 0
+    if WINDOW == 1:  # win_lo <= 0: the tile's first row sees from column m0 + win_lo on
+        start = tl.maximum(m0 + win_lo, 0) // BLOCK_N * BLOCK_N
+        first_full = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + win_lo, 0), BLOCK_N) * BLOCK_N
+        first_full = tl.minimum(first_full, tl.cdiv(end, BLOCK_N) * BLOCK_N)
+        full_end = tl.maximum(first_full, full_end)
+    return start, first_full, full_end, end
 
 
 @triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows, dims, lo, hi,
                    seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   UPCAST: tl.constexpr, DOCS: tl.constexpr, SegK, row_seg, row_lim):
+                   UPCAST: tl.constexpr, DOCS: tl.constexpr, SegK, row_seg, row_lim, win_lo,
+                   PosQ, PosK, win_left, win_right, WINDOW: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
         s = _dot(q, tl.trans(k), UPCAST)  # unscaled; the running max m_i is in log2 units
         if MASKED:
             seen = _seen_by_q_tile(rows, cols, seq_q, seq_k, offset, CAUSAL, DOCS, SegK, row_seg,
-                                   row_lim)
+                                   row_lim, win_lo, PosQ, PosK, win_left, win_right, WINDOW)
             s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # scale > 0 (validation.check_options)
-        m_use = m_new  # the unmasked tiles run first or after a seen tile: m_new is finite
+        m_use = m_new  # an unmasked tile is seen whole by every row: m_new is finite
         if MASKED:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         alpha = tl.exp2(m_i - m_use)
@@ -264,13 +297,13 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd, rows, d
 
 
 @triton.jit
-def _forward(Q, K, V, VAmax, Out, Lse, SegQ, LimQ, SegK, CuQ, CuK,
+def _forward(Q, K, V, VAmax, Out, Lse, SegQ, LimQ, SegK, CuQ, CuK, PosQ, PosK,
              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
              sob, soh, som, sod, slb, slh, slm,
-             q_heads, groups, seq_q, seq_k, offset, scale_log2,
+             q_heads, groups, seq_q, seq_k, offset, scale_log2, win_lo, win_left, win_right,
              CAUSAL: tl.constexpr, MERGE: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             UPCAST: tl.constexpr, DOCS: tl.constexpr):
+             UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
     """out and LSE of one q tile, written into the fp32 Out / Lse, or with MERGE merged into the
     (out, lse) those rows hold (the schedules' running accumulator). V is ``_to_fp16``'s copy,
     with its heads' amax in ``VAmax``; q and k are the inputs. With DOCS (packed documents), the
@@ -296,17 +329,26 @@ def _forward(Q, K, V, VAmax, Out, Lse, SegQ, LimQ, SegK, CuQ, CuK,
         acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd,
                                        rows, dims, lo, hi, seq_q, seq_k, offset, scale_log2,
                                        True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, True,
-                                       SegK, row_seg, row_lim)
+                                       SegK, row_seg, row_lim, win_lo, PosQ, PosK, win_left,
+                                       win_right, WINDOW)
     else:
-        full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
+        start, first_full, full_end, end = _q_tile_bounds(m0, seq_k, offset, win_lo, CAUSAL,
+                                                          WINDOW, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd,
-                                       rows, dims, 0, full_end, seq_q, seq_k, offset, scale_log2,
-                                       False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False,
-                                       SegK, rows, rows)
+                                       rows, dims, start, first_full, seq_q, seq_k, offset,
+                                       scale_log2, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                       UPCAST, False, SegK, rows, rows, win_lo, PosQ, PosK,
+                                       win_left, win_right, WINDOW)
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd,
+                                       rows, dims, first_full, full_end, seq_q, seq_k, offset,
+                                       scale_log2, False, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D,
+                                       UPCAST, False, SegK, rows, rows, win_lo, PosQ, PosK,
+                                       win_left, win_right, WINDOW)
         acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, skn, skd, svn, svd,
                                        rows, dims, full_end, end, seq_q, seq_k, offset,
                                        scale_log2, True, CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D,
-                                       UPCAST, False, SegK, rows, rows)
+                                       UPCAST, False, SegK, rows, rows, win_lo, PosQ, PosK,
+                                       win_left, win_right, WINDOW)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (_pow2(-_fp16_exponent(VAmax + b * (q_heads // groups) + hk)) / l_safe)[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i - _P_SHIFT + tl.log2(l_safe)) * _LN2)
@@ -327,7 +369,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
                 delta_scale, MASKED: tl.constexpr,
                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr, SegQ, LimQ,
-                col_seg):
+                col_seg, win_lo, PosQ, PosK, win_left, win_right, WINDOW: tl.constexpr):
     for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         q = _load(q_base, rows, sqm, seq_q, dims, sqd, MASKED, HEAD_DIM, BLOCK_D)
@@ -345,8 +387,12 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
                 row_seg, row_lim = _row_segments(SegQ, LimQ, rows, seq_q)
                 seen_t = _visible_in_documents(row_seg[None, :], row_lim[None, :],
                                                col_seg[:, None], cols[:, None], CAUSAL)
+                if WINDOW == 2:
+                    seen_t = seen_t & _in_window(PosQ, PosK, rows[None, :], cols[:, None], seq_q,
+                                                 seq_k, win_left, win_right)
             else:
-                seen_t = _visible(rows[None, :], cols[:, None], seq_q, seq_k, offset, CAUSAL)
+                seen_t = _visible(rows[None, :], cols[:, None], seq_q, seq_k, offset, win_lo,
+                                  CAUSAL, WINDOW)
             p_t = tl.where(seen_t, p_t, 0.0)
         dv = _dot_add(p_t.to(tl.float16), do, dv, UPCAST)
         ds_t = p_t * (_dot(v, tl.trans(do), UPCAST) * dp_scale - (delta * delta_scale)[None, :])
@@ -356,12 +402,12 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, s
 
 @triton.jit
 def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV, SegQ, LimQ, SegK, CuQ,
-          CuK, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+          CuK, PosQ, PosK, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
           sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgn, sgd, sub, suh, sun, sud,
-          kv_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
+          kv_heads, groups, seq_q, seq_k, offset, scale, scale_log2, win_lo, win_left, win_right,
           CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-          DOCS: tl.constexpr):
+          DOCS: tl.constexpr, WINDOW: tl.constexpr):
     """dk, dv of one k tile, written (or with ADD added) into the fp32 DK (strides sg*) and DV
     (su*); ``Lse`` and ``Delta`` (fp32, [B, Hq, Sq]) share the strides sl*.
 
@@ -376,8 +422,9 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV, SegQ, Li
     vs 14.1 ms at 16K x 16K causal, 32 heads) and by TMA reduce-add (14.4-15.2 vs 13.8-14.8 ms),
     and its sums would change from run to run.
 
-    q tiles:  first ...... full_start ...... seq_q      (this k tile's view)
-              masked band  |  unmasked        | ragged end (masked)
+    q tiles:  first ...... full_start ...... full_end ...... rows_end   (this k tile's view)
+              masked band  |  unmasked        | masked: the window's edge (WINDOW = 1), the
+                                                ragged end
     """
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -400,6 +447,11 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV, SegQ, Li
         full_start = rows_end
     full_start = tl.minimum(full_start, rows_end)
     full_end = tl.maximum(full_start, seq_q // BLOCK_M * BLOCK_M)
+    if WINDOW == 1:  # row r sees column c only if r <= c - win_lo
+        rows_end = tl.minimum(rows_end, tl.cdiv(n0 + BLOCK_N - win_lo, BLOCK_M) * BLOCK_M)
+        full_start = tl.minimum(full_start, rows_end)
+        full_end = tl.minimum(full_end, (n0 - win_lo + 1) // BLOCK_M * BLOCK_M)
+        full_end = tl.maximum(full_start, full_end)
     col_seg = cols
     if DOCS:  # only the rows of this tile's segments, every tile masked
         col_seg = tl.load(SegK + cols, mask=cols < seq_k, other=-2)
@@ -434,15 +486,18 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV, SegQ, Li
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, first, full_start, seq_q, seq_k, offset,
                              head_log2, p_shift, dp_scale, delta_scale, True, CAUSAL, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg)
+                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg, win_lo, PosQ,
+                             PosK, win_left, win_right, WINDOW)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, full_start, full_end, seq_q, seq_k, offset,
                              head_log2, p_shift, dp_scale, delta_scale, False, CAUSAL, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg)
+                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg, win_lo, PosQ,
+                             PosK, win_left, win_right, WINDOW)
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqm, sqd, sdm,
                              sdd, slm, cols, dims, full_end, rows_end, seq_q, seq_k, offset,
                              head_log2, p_shift, dp_scale, delta_scale, True, CAUSAL, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg)
+                             HEAD_DIM, BLOCK_D, UPCAST, DOCS, SegQ, LimQ, col_seg, win_lo, PosQ,
+                             PosK, win_left, win_right, WINDOW)
     _store(DK + b * sgb + hk * sgh, cols, sgn, seq_k, dims, sgd, dk * (_pow2(-u) * scale), ADD,
            HEAD_DIM, BLOCK_D)
     _store(DV + b * sub + hk * suh, cols, sun, seq_k, dims, sud, dv * _pow2(-e0 - _P_SHIFT), ADD,
@@ -453,7 +508,8 @@ def _dkdv(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DK, DV, SegQ, Li
 def _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd, rows, dims, lo,
               hi, seq_q, seq_k, offset, scale_log2, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              UPCAST: tl.constexpr, DOCS: tl.constexpr, SegK, row_seg, row_lim):
+              UPCAST: tl.constexpr, DOCS: tl.constexpr, SegK, row_seg, row_lim, win_lo, PosQ,
+              PosK, win_left, win_right, WINDOW: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         k = _load(k_base, cols, skn, seq_k, dims, skd, MASKED, HEAD_DIM, BLOCK_D)
@@ -461,7 +517,7 @@ def _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, s
         p = tl.exp2(_dot(q, tl.trans(k), UPCAST) * scale_log2 - lse2[:, None])
         if MASKED:
             seen = _seen_by_q_tile(rows, cols, seq_q, seq_k, offset, CAUSAL, DOCS, SegK, row_seg,
-                                   row_lim)
+                                   row_lim, win_lo, PosQ, PosK, win_left, win_right, WINDOW)
             p = tl.where(seen, p, 0.0)
         ds = p * (_dot(do, tl.trans(v), UPCAST) * dp_scale[:, None] - delta[:, None])  # scaled
         dq = _dot_add(ds.to(tl.float16), k, dq, UPCAST)
@@ -470,12 +526,12 @@ def _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, s
 
 @triton.jit
 def _dq(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DQ, Out, SegQ, LimQ, SegK, CuQ, CuK,
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+        PosQ, PosK, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
         sdb, sdh, sdm, sdd, slb, slh, slm, sgb, sgh, sgm, sgd, sob, soh, som, sod,
-        q_heads, groups, seq_q, seq_k, offset, scale, scale_log2,
+        q_heads, groups, seq_q, seq_k, offset, scale, scale_log2, win_lo, win_left, win_right,
         CAUSAL: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-        DOCS: tl.constexpr):
+        DOCS: tl.constexpr, WINDOW: tl.constexpr):
     """dq of one q tile, written (or with ADD added) into the fp32 DQ (strides sg*); its k tiles
     as in the forward. It runs before ``_dkdv`` and writes that kernel's D = rowsum(dO * O) of its
     rows into ``Delta``, from the fp32 merged ``Out`` (strides so*): one read of O, no separate
@@ -518,15 +574,23 @@ def _dq(Q, K, V, DO, QAmax, KAmax, VAmax, DOAmax, Lse, Delta, DQ, Out, SegQ, Lim
                                                      CAUSAL)
         dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd,
                        rows, dims, lo, hi, seq_q, seq_k, offset, scale_log2, True, CAUSAL,
-                       BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, True, SegK, row_seg, row_lim)
+                       BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, True, SegK, row_seg, row_lim, win_lo,
+                       PosQ, PosK, win_left, win_right, WINDOW)
     else:
-        full_end, end = _q_tile_bounds(m0, seq_k, offset, CAUSAL, BLOCK_M, BLOCK_N)
+        start, first_full, full_end, end = _q_tile_bounds(m0, seq_k, offset, win_lo, CAUSAL,
+                                                          WINDOW, BLOCK_M, BLOCK_N)
         dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd,
-                       rows, dims, 0, full_end, seq_q, seq_k, offset, scale_log2, False, CAUSAL,
-                       BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False, SegK, rows, rows)
+                       rows, dims, start, first_full, seq_q, seq_k, offset, scale_log2, True,
+                       CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False, SegK, rows, rows,
+                       win_lo, PosQ, PosK, win_left, win_right, WINDOW)
+        dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd,
+                       rows, dims, first_full, full_end, seq_q, seq_k, offset, scale_log2, False,
+                       CAUSAL, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False, SegK, rows, rows,
+                       win_lo, PosQ, PosK, win_left, win_right, WINDOW)
         dq = _dq_tiles(dq, q, do, lse2, dp_scale, delta, k_base, v_base, skn, skd, svn, svd,
                        rows, dims, full_end, end, seq_q, seq_k, offset, scale_log2, True, CAUSAL,
-                       BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False, SegK, rows, rows)
+                       BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, False, SegK, rows, rows, win_lo, PosQ,
+                       PosK, win_left, win_right, WINDOW)
     # dq's products are 2^(e_dO + e_V - E_i + e_k) dq
     unscale = _pow2(row_exp) * (_pow2(-e_do - e_v) * _pow2(-e_k) * scale)
     _store(DQ + b * sgb + h * sgh, rows, sgm, seq_q, dims, sgd, dq * unscale[:, None], ADD,

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .base import CAUSAL, CAUSAL_BOTTOM_RIGHT, MASKS, NONE, BlockKernel, unclaimed
+from .windows import BAND, POSITIONS
 
 _HALF = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 128
@@ -94,25 +95,59 @@ def _document_rows(segments, seq_q, seq_k, device):
     return row_seg, row_lim, col_seg, cu_q, cu_k
 
 
+class _Window(NamedTuple):
+    """The kernels' view of a block's mask and window (``triton_attention.py``): CAUSAL with
+    ``offset``, WINDOW (0 none, 1 a band's lower side ``lo``, 2 positions) and its operands."""
+
+    causal: bool
+    offset: int
+    kind: int
+    lo: int
+    pos_q: torch.Tensor
+    pos_k: torch.Tensor
+    left: int
+    right: int
+
+
+_UNBOUNDED = 2 ** 30  # a window side of -1, as the position difference no window reaches
+
+
+def _window(mask, window, segments, seq_q, seq_k, device) -> _Window:
+    unused = torch.empty(1, dtype=torch.int32, device=device)
+    if window is None or segments is not None:
+        offset = 0 if segments is not None else _offset(mask, seq_q, seq_k)
+        if window is None:
+            return _Window(mask != NONE, offset, 0, 0, unused, unused, 0, 0)
+        return _Window(mask != NONE, offset, 2, 0, window.q.to(torch.int32),
+                       window.k.to(torch.int32),
+                       window.left if window.left >= 0 else _UNBOUNDED,
+                       window.right if window.right >= 0 else _UNBOUNDED)
+    # A band (mask "none"); trimmed, so lo <= 0 <= hi: hi is a causal offset, lo a lower side.
+    return _Window(window.hi is not None, window.hi or 0, int(window.lo is not None),
+                   window.lo or 0, unused, unused, 0, 0)
+
+
 class TritonExact(BlockKernel):
     name = "triton_exact"
     exact = True
     masks = MASKS
     documents = True
+    windows = (BAND, POSITIONS)
 
     def available(self, device, dtype, head_dim):
         return ((device.type == "cuda" or interpreting()) and dtype in _HALF
                 and 1 <= head_dim <= MAX_HEAD_DIM
                 and importlib.util.find_spec("triton") is not None)
 
-    def forward(self, q, k, v, mask, scale, segments=None, tiles=None):
+    def forward(self, q, k, v, mask, scale, segments=None, window=None, tiles=None):
         """``tiles``: {"forward": Tiles} to override the tuned launch shape (the tuning bench)."""
         out = q.new_empty(q.shape, dtype=torch.float32)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        self.forward_into(out, lse, True, q, k, v, mask, scale, segments, tiles)
+        self.forward_into(out, lse, True, q, k, v, mask, scale, segments, window, tiles=tiles)
         return out, lse
 
-    def forward_into(self, out, lse, fresh, q, k, v, mask, scale, segments=None, tiles=None):
+    def forward_into(self, out, lse, fresh, q, k, v, mask, scale, segments=None, window=None,
+                     tiles=None):
         """The kernel writes ``out``/``lse`` (any strides) or merges into them; see BlockKernel."""
         from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
 
@@ -120,26 +155,28 @@ class TritonExact(BlockKernel):
             raise ValueError(f"mask={mask!r} is not known; valid: {list(MASKS)}")
         batch, q_heads, seq_q, head_dim = q.shape
         seq_k = k.shape[2]
-        offset = 0 if segments is not None else _offset(mask, seq_q, seq_k)
+        win = _window(mask, window, segments, seq_q, seq_k, q.device)
         documents = _document_rows(segments, seq_q, seq_k, q.device)
         shape = _tiles(tiles)["forward"]
         grid = (math.ceil(seq_q / shape.block_m), batch * q_heads)
         with _launching():
             [(v16, v_amax)] = _fp16_copies(v)
-            ta._forward[grid](q, k, v16, v_amax, out, lse, *documents, *q.stride(), *k.stride(),
-                              *v16.stride(), *out.stride(), *lse.stride(), q_heads,
-                              q_heads // k.shape[1],
-                              seq_q, seq_k, offset, scale * ta.LOG2E, MERGE=not fresh,
-                              BLOCK_M=shape.block_m, BLOCK_N=shape.block_n,
-                              **_constants(q, mask, segments), **_launch(shape))
+            ta._forward[grid](q, k, v16, v_amax, out, lse, *documents, win.pos_q, win.pos_k,
+                              *q.stride(), *k.stride(), *v16.stride(), *out.stride(),
+                              *lse.stride(), q_heads, q_heads // k.shape[1],
+                              seq_q, seq_k, win.offset, scale * ta.LOG2E, win.lo, win.left,
+                              win.right, MERGE=not fresh, BLOCK_M=shape.block_m,
+                              BLOCK_N=shape.block_n, **_constants(q, win, segments),
+                              **_launch(shape))
 
-    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None, tiles=None):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None, window=None,
+                 tiles=None):
         """``tiles``: {"dkdv": Tiles, "dq": Tiles} to override the tuned launch shapes."""
         return self.backward_into((None, None, None), dout, q, k, v, out, lse, mask, scale,
-                                  segments, tiles)
+                                  segments, window, tiles=tiles)
 
     def backward_into(self, into, dout, q, k, v, out, lse, mask, scale, segments=None,
-                      tiles=None):
+                      window=None, tiles=None):
         """The kernels store (or add) straight into the ``Into`` views; see ``BlockKernel``."""
         from . import triton_attention as ta  # noqa: PLC0415 - triton is optional
 
@@ -149,7 +186,7 @@ class TritonExact(BlockKernel):
                 return "None" if x is None else f"Into(add={x.add})"
             raise ValueError(f"into: dk and dv go into accumulators together, with the same add; "
                              f"got dk {said(dk_into)}, dv {said(dv_into)}")
-        offset = 0 if segments is not None else _offset(mask, q.shape[2], k.shape[2])
+        win = _window(mask, window, segments, q.shape[2], k.shape[2], q.device)
         documents = _document_rows(segments, q.shape[2], k.shape[2], q.device)
         lse = lse.float().contiguous()
         delta = torch.empty_like(lse)  # D = rowsum(dO * O), from the fp32 merged out: _dq writes it
@@ -158,8 +195,9 @@ class TritonExact(BlockKernel):
         dv = dv_into.view if dv_into else torch.empty_like(dk)
         batch, q_heads, seq_q, _ = q.shape
         kv_heads, seq_k = k.shape[1], k.shape[2]
-        sizes = (q_heads // kv_heads, seq_q, seq_k, offset, scale, scale * ta.LOG2E)
-        chosen, constants = _tiles(tiles), _constants(q, mask, segments)
+        sizes = (q_heads // kv_heads, seq_q, seq_k, win.offset, scale, scale * ta.LOG2E, win.lo,
+                 win.left, win.right)
+        chosen, constants = _tiles(tiles), _constants(q, win, segments)
         shape_dkdv, shape_dq = chosen["dkdv"], chosen["dq"]
         with _launching():
             (q16, q_amax), (k16, k_amax), (v16, v_amax), (do16, do_amax) = _fp16_copies(
@@ -168,22 +206,24 @@ class TritonExact(BlockKernel):
             strides = (*q16.stride(), *k16.stride(), *v16.stride(), *do16.stride(),
                        *lse.stride())
             ta._dq[(math.ceil(seq_q / shape_dq.block_m), batch * q_heads)](
-                *copies, dq, out, *documents, *strides, *dq.stride(), *out.stride(),
+                *copies, dq, out, *documents, win.pos_q, win.pos_k, *strides, *dq.stride(),
+                *out.stride(),
                 q_heads, *sizes, ADD=bool(dq_into and dq_into.add), BLOCK_M=shape_dq.block_m,
                 BLOCK_N=shape_dq.block_n, **constants, **_launch(shape_dq))
             ta._dkdv[(math.ceil(seq_k / shape_dkdv.block_n), batch * kv_heads)](
-                *copies, dk, dv, *documents, *strides, *dk.stride(), *dv.stride(),
+                *copies, dk, dv, *documents, win.pos_q, win.pos_k, *strides, *dk.stride(),
+                *dv.stride(),
                 kv_heads, *sizes, ADD=bool(dk_into and dk_into.add),
                 BLOCK_M=shape_dkdv.block_m, BLOCK_N=shape_dkdv.block_n, **constants,
                 **_launch(shape_dkdv))
         return unclaimed(into, (dq, dk, dv))
 
 
-def _constants(q, mask, segments) -> dict:
+def _constants(q, win: _Window, segments) -> dict:
     """The kernels' compile-time arguments other than the tile sizes."""
     head_dim = q.shape[3]
-    return dict(CAUSAL=mask != NONE, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-                UPCAST=interpreting(), DOCS=segments is not None)
+    return dict(CAUSAL=win.causal, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
+                UPCAST=interpreting(), DOCS=segments is not None, WINDOW=win.kind)
 
 
 def _block_d(head_dim: int) -> int:
