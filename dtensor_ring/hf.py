@@ -36,17 +36,22 @@ document): the style finds the documents in the position ids and attention stays
 one device: the collator's -100 at each document's first token keeps a document's last token
 from predicting the next document.
 
-A sliding window (Mistral's ``sliding_window=4096``, Gemma's sliding layers) at least as long as
-what one attention spans (the sequence, or the longest packed document) is full causal attention,
-which the ring computes; a shorter one is refused at call time, naming the lengths.
+Sliding windows: transformers hands each attention call its layer's window (``sliding_window``,
+the keyword its flash-attention path reads: Mistral's ``config.sliding_window`` on every layer,
+Qwen2's and Gemma 2/3's on the layers ``config.layer_types`` marks "sliding_attention", None on
+the others), and the ring runs it as ``window=(sliding_window - 1, 0)``: a query sees itself and
+the ``sliding_window - 1`` tokens before it, as transformers' own masks do
+(``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``), within each
+packed document. Only the ranks within reach exchange K/V (``schedules/windowed.py``).
 
 Refused with a ``ValueError`` naming the argument: a model that is not a transformers causal LM
 with SDPA attention through ``AttentionInterface`` (``config._attn_implementation`` must be
 ``"sdpa"``), a mesh that is not a 1-D ``DeviceMesh``, an unknown schedule or precision; at call time
 an ``attention_mask`` with zeros (padding: pack or use equal lengths; an all-ones mask is dropped),
 a KV cache (``past_key_values``, ``use_cache=True``), ``logits_to_keep``, attention dropout in
-training, non-causal attention, a sliding window shorter than the attention's span, and (from
-``dr``'s layouts) a sequence length or document length the layout cannot split. Needs a
+training, non-causal attention, attention sinks (``s_aux``, GPT-OSS) and logit soft-capping
+(``softcap``), which the ring does not compute, and (from ``dr``'s layouts) a sequence length or
+document length the layout cannot split. Needs a
 transformers whose causal-LM loss takes ``shift_labels`` (``pip install 'dtensor_ring[hf]'``).
 """
 from typing import NamedTuple
@@ -72,7 +77,6 @@ class _Settings(NamedTuple):
     schedule: str
     precision: str
     backend: str
-    span: int  # the most tokens one attention spans: the sequence, or the longest document
     cu_seqlens: torch.Tensor | None  # packed documents (``dtensor/packed.py``)
     max_seqlen: int | None
 
@@ -85,7 +89,6 @@ def apply(model, mesh, schedule: str = "auto", precision: str = "fp32", backend:
         raise ValueError(f"mesh={mesh!r} must be a 1-D DeviceMesh (e.g. mesh['cp'] of a larger "
                          "one)")
     style = _CausalLMContextParallel(schedule, precision=precision, backend=backend)
-    style.sliding_window = _sliding_window(model.config)
     model = parallelize_module(model, mesh, style)
     model.set_attn_implementation(NAME)
     return model
@@ -105,27 +108,6 @@ def _check_model(model) -> None:
             "transformers' AttentionInterface (load it with attn_implementation='sdpa')")
 
 
-def _sliding_window(config) -> int | None:
-    """The model's sliding window (tokens a query sees, itself included), or None if it has
-    none. Within a window at least as long as what one attention spans, sliding-window attention
-    is full causal attention, which the ring computes."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    used = (layer_types - {"full_attention"}) if layer_types else getattr(
-        config, "use_sliding_window", True)
-    return window if window and used else None
-
-
-def _check_window(window, span, packed) -> None:
-    if window is not None and window < span:
-        what = "longest packed document" if packed else "sequence"
-        raise ValueError(
-            f"model.config.sliding_window={window} is shorter than the {what} ({span} tokens): "
-            "context parallelism computes full causal attention, which equals sliding-window "
-            f"attention only up to {window} tokens; valid: sequences (or packed documents) of "
-            f"at most {window} tokens, or a model without a sliding window")
-
-
 class _CausalLMContextParallel(ContextParallel):
     """``ContextParallel`` for a transformers causal LM: before sharding, check the call, shift the
     labels over the whole sequence and count them; after, add the attention settings."""
@@ -138,23 +120,13 @@ class _CausalLMContextParallel(ContextParallel):
         named["use_cache"] = False
         world = dist.get_world_size(mesh.get_group())
         num_items = _global_labels(named, world)
-        seq_len = _sequence_length(named, self.seq_dim)
         _, named, packed = super()._shard_inputs(names, (), named, mesh, fill)
         if num_items is not None:
             named["num_items_in_batch"] = num_items
-        span = seq_len if packed is None else packed.longest
-        _check_window(self.sliding_window, span, packed is not None)
-        named[SETTINGS] = _Settings(mesh, self.schedule, self.precision, self.backend, span,
+        named[SETTINGS] = _Settings(mesh, self.schedule, self.precision, self.backend,
                                     None if packed is None else packed.cu_seqlens,
                                     None if packed is None else packed.max_seqlen)
         return (), named, packed
-
-
-def _sequence_length(named, seq_dim) -> int:
-    for name in ("input_ids", "inputs_embeds"):
-        if isinstance(named.get(name), torch.Tensor):
-            return named[name].shape[seq_dim]
-    return 0
 
 
 def _check_call(named) -> None:
@@ -202,8 +174,11 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if dropout:
         raise ValueError(f"attention dropout={dropout} (config.attention_dropout, in training) "
                          "is not supported with context parallelism; valid: 0.0")
-    if sliding_window is not None:  # apply() checked it covers the span; say so if not
-        _check_window(sliding_window, settings.span, settings.cu_seqlens is not None)
+    for name in ("s_aux", "softcap"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} ({type(module).__name__}: attention sinks / logit "
+                             "soft-capping) is not supported with context parallelism; "
+                             "valid: None")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
         raise ValueError(f"is_causal={causal!r} ({type(module).__name__}): only causal "
@@ -211,8 +186,19 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     out = ring_attention(query, key, value, mesh=settings.mesh, schedule=settings.schedule,
                          is_causal=True, scale=scaling, precision=settings.precision,
                          backend=settings.backend, cu_seqlens=settings.cu_seqlens,
-                         max_seqlen=settings.max_seqlen)
+                         max_seqlen=settings.max_seqlen, window=_window(sliding_window))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window(sliding_window):
+    """transformers' ``sliding_window`` (tokens a query sees, itself included) as ``window``."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or (
+            sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} (the model's config) must be None "
+                         "or a positive int (the tokens a query sees, itself included)")
+    return (sliding_window - 1, 0)
 
 
 AttentionInterface.register(NAME, _attention)

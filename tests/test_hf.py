@@ -293,8 +293,8 @@ def _packed(mesh, failures, label):
 
 
 def _sliding_windows(mesh, failures, label):
-    """A sliding window at least as long as the sequence is full causal attention: accepted and
-    equal to the model on one process; a shorter one is refused, naming the fix."""
+    """A sliding window at least as long as the sequence is full causal attention: equal to the
+    model on one process (shorter windows: test_hf_windows.py)."""
     ids, labels = _batch()
     base = _mistral(4096)
     reference = _single(base, ids, labels)
@@ -304,10 +304,6 @@ def _sliding_windows(mesh, failures, label):
     if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
         failures.append(f"{label} sliding_window=4096: loss {loss_err:.2e}, worst grad {worst} "
                         f"{grad_err:.2e}")
-    short = hf.apply(_mistral(16), mesh)
-    expect_error(failures, "a window shorter than the sequence", ValueError,
-                 lambda: short(input_ids=ids, labels=labels), "sliding_window=16",
-                 f"shorter than the sequence ({SEQ} tokens)", "at most 16 tokens")
 
 
 def _ranks(mesh2d):
