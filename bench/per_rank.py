@@ -6,6 +6,8 @@
     python bench/per_rank.py --plot-only per_rank.json --plot per_rank.png   # table + plot, no GPU
     python bench/per_rank.py --device cpu --world 4 --tokens-per-gpu 16 --heads 4 --kv-heads 4,2 \\
         --head-dim 16 --iters 2 --warmup 1            # CPU smoke run (seconds; tests/)
+    python bench/per_rank.py --world 4 --tokens-per-gpu 8192 --kv-heads 8 --window 4096 \\
+        --methods ideal,ring_fp32,zigzag_fp32,llama3_fp32   # a sliding window, one GPU
 
 What runs (DESIGN.md, "How we measure"): rank r of a W-rank ring calls the schedule
 (``get_schedule(s).forward`` / ``.backward``, as ``ring_attention`` does, and casts the out it
@@ -29,6 +31,11 @@ on CPU); ``ideal``: the single-GPU kernels over the whole global sequence (W x t
 repeated to the q heads for GQA), cuDNN and PyTorch's flash through their aten ops (``cpu_flash``
 on CPU), time / W. A row's fraction = the fastest ideal's time / its time (fwd and fwd+bwd
 separately).
+
+``--window W``: a sliding window, Hugging Face's ``sliding_window=W`` (a query sees itself and the
+W - 1 tokens before it; non-causal, also the W - 1 after it): ``window=(W - 1, 0)`` for every
+method, and the ideal is one GPU's windowed flash attention (PyTorch's flash op with
+``window_size_left/right``; cuDNN through PyTorch has no window) over the whole sequence / W.
 
 Columns: fwd and fwd+bwd time (CUDA events, median of --iters after --warmup, each run on an idle
 GPU: it includes the GPU's waits for the host, the first launch's among them; bench/timing.py),
@@ -87,6 +94,7 @@ from dtensor_ring.kernels import BACKENDS, get_kernel  # noqa: E402
 from dtensor_ring.documents import Documents  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE, repeat_kv  # noqa: E402
 from dtensor_ring.layouts import Segments  # noqa: E402
+from dtensor_ring.layouts.windows import Band, Window, effective_window  # noqa: E402
 from dtensor_ring.replay import ReplayComm  # noqa: E402
 from graph_capture import failure, graph_measure, recover  # noqa: E402
 from kernel_kinds import breakdown  # noqa: E402
@@ -100,10 +108,13 @@ IDEAL_KERNELS = {"cuda": ("cudnn", "flash"), "cpu": ("cpu_flash",)}
 # With packed documents: the kernels with a varlen form (cuDNN's ragged op is no contender:
 # 50-70 ms a call on an H100, kernels/cuda.py).
 DOCUMENT_IDEAL_KERNELS = {"cuda": ("flash",), "cpu": ("cpu_flash",)}
+# With a sliding window: the kernels that take one (cuDNN through PyTorch does not).
+WINDOW_IDEAL_KERNELS = {"cuda": ("flash",), "cpu": ("cpu_flash",)}
 
 
 def ideal_kernels(args, device):
-    table = DOCUMENT_IDEAL_KERNELS if args.documents else IDEAL_KERNELS
+    table = (DOCUMENT_IDEAL_KERNELS if args.documents else
+             WINDOW_IDEAL_KERNELS if args.window is not None else IDEAL_KERNELS)
     return table[torch.device(device).type]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LAYOUTS = ("bhsd", "bshd")  # --layout
@@ -182,6 +193,10 @@ def build_parser():
                    help="memory of q, k, v and dout: bhsd, [B, H, S, D] contiguous; bshd, "
                         "[B, S, H, D] memory seen as [B, H, S, D], as a model's projections "
                         "make them (the ideal gets the same; default %(default)s)")
+    p.add_argument("--window", type=_positive, default=None, metavar="W",
+                   help="a sliding window of W tokens (Hugging Face's sliding_window: a query "
+                        "sees itself and the W - 1 before it); the ideal is windowed flash "
+                        "(default: none)")
     p.add_argument("--documents", action="store_true",
                    help="packed documents: each config's row holds a long-tailed mix (lengths "
                         "log-uniform between 32W tokens and half the row, multiples of 32W; "
@@ -240,6 +255,9 @@ def parse_args(argv=None):
     if args.ranks is not None and args.ranks[-1] >= args.world:
         parser.error(f"argument --ranks: {args.ranks[-1]} is not a rank of --world "
                      f"{args.world}; valid: all or 0..{args.world - 1}")
+    if args.window is not None and args.documents:
+        parser.error("argument --window: not with --documents (no single-GPU kernel takes a "
+                     "window with packed documents to give the ideal)")
     if args.capture and args.device != "cuda":
         parser.error("argument --capture: needs --device cuda (CUDA graphs)")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -266,11 +284,21 @@ class Config:
     dtype: torch.dtype
     documents: tuple | None = None  # packed documents' boundaries over the global row
     layout: str = "bhsd"  # --layout
+    window: int | None = None  # --window: Hugging Face's sliding_window
+
+    def window_arg(self):
+        """``window=`` as ``ring_attention`` takes it, normalised as it does (None: none)."""
+        if self.window is None:
+            return None
+        return effective_window(Window(self.window - 1, 0 if self.causal else self.window - 1),
+                                self.causal, self.world * self.tokens)
 
     def label(self):
         label = dict(world=self.world, tokens_per_gpu=self.tokens, seq=self.world * self.tokens,
                      heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                      batch=self.batch, causal=self.causal)
+        if self.window is not None:
+            label.update(window=self.window)
         if self.documents is not None:
             lengths = [b - a for a, b in zip(self.documents, self.documents[1:])]
             label.update(documents=len(lengths), longest_document=max(lengths),
@@ -294,7 +322,7 @@ def configs(args):
     out = [Config(args.world, tokens, args.heads, kv, args.head_dim, args.batch,
                   not args.no_causal, DTYPES[args.dtype],
                   document_mix(args.world * tokens, args.world, args.seed)
-                  if args.documents else None, args.layout)
+                  if args.documents else None, args.layout, args.window)
            for kv in args.kv_heads for tokens in args.tokens_per_gpu]
     # Largest first (stable: kv heads in the order given): the issue's main targets are at 8K
     # tokens per GPU, and a budget cut drops the smallest, host-bound sizes.
@@ -343,9 +371,11 @@ class Schedule:
         self.schedule.layout.check_local_len(cfg.tokens, "--tokens-per-gpu")
         backend = args.fp32_backend if self.precision == "fp32" else "auto"
         docs = cfg.documents is not None
+        window = cfg.window_arg()
         self.kernel = get_kernel(backend if not docs else "auto", torch.device(device), cfg.dtype,
-                                 cfg.head_dim, self.precision, docs)
-        self.options = dict(is_causal=cfg.causal, scale=cfg.head_dim ** -0.5, kernel=self.kernel)
+                                 cfg.head_dim, self.precision, docs, window is not None)
+        self.options = dict(is_causal=cfg.causal, scale=cfg.head_dim ** -0.5, kernel=self.kernel,
+                            window=window)
         self.documents = None if not docs else (
             torch.tensor(cfg.documents, dtype=torch.int32, device=device), _longest(cfg))
 
@@ -383,10 +413,15 @@ class Ideal:
     def __init__(self, kernel_name, cfg, device):
         self.name = f"ideal_{kernel_name}"
         docs = cfg.documents is not None
+        window = cfg.window_arg()
         self.kernel = get_kernel(kernel_name, torch.device(device), cfg.dtype, cfg.head_dim,
-                                 documents=docs)
+                                 documents=docs, window=window is not None)
         self.mask, self.scale = (CAUSAL if cfg.causal else NONE), cfg.head_dim ** -0.5
-        self.segments = None
+        self.segments = self.window = None
+        if window is not None:  # the whole sequence as one band block
+            self.mask = NONE
+            self.window = Band(-window.left if window.left >= 0 else None,
+                               0 if cfg.causal else (window.right if window.right >= 0 else None))
         if docs:  # one varlen call over the whole packed row (its segments: the documents)
             cu = torch.tensor(cfg.documents, dtype=torch.int32, device=device)
             self.segments = Segments(cu, cu, _longest(cfg), _longest(cfg))
@@ -395,12 +430,12 @@ class Ideal:
 def ideal_call(method, x, backward, mark=_unmarked):
     with mark("fwd"):
         out, lse = method.kernel.forward(x.q, x.k, x.v, method.mask, method.scale,
-                                         method.segments)
+                                         method.segments, method.window)
     if not backward:
         return out, lse
     with mark("bwd"):
         grads = method.kernel.backward(x.dout, x.q, x.k, x.v, out, lse, method.mask, method.scale,
-                                       method.segments)
+                                       method.segments, method.window)
     return (out, lse, *grads)
 
 
@@ -626,7 +661,9 @@ STARTUP_S, COMPILE_S = 15.0, 45.0
 def _model_ms(cfg, name):
     """(fwd, fwd+bwd) ms of one run of ``name`` on one rank (ideal: both kernels, whole seq)."""
     seq = cfg.world * cfg.tokens
-    flops = 4 * cfg.batch * cfg.heads * seq * seq * cfg.head_dim * (0.5 if cfg.causal else 1)
+    reach = seq if cfg.window is None else min(seq, cfg.window * (1 if cfg.causal else 2))
+    flops = 4 * cfg.batch * cfg.heads * seq * reach * cfg.head_dim * (
+        0.5 if cfg.causal and reach == seq else 1)
     share = flops / 600e12 * 1e3 / cfg.world
     if name == "ideal":
         return share * cfg.world * 2.7, share * cfg.world * 2.7 * 3.5
@@ -706,6 +743,7 @@ def meta(args, argv):
             "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
             "dtype": args.dtype, "causal": not args.no_causal, "iters": args.iters,
             "warmup": args.warmup, "fp32_backend": args.fp32_backend, "layout": args.layout,
+            "window": args.window,
             "ranks": args.ranks or "all", "profile_iters": args.profile_iters if args.profile
             else None, "capture": args.capture, "budget_s": args.budget_s,
             "host": {"cpu": cpu_name(),
@@ -888,8 +926,10 @@ def fmt_graph(r):
 
 
 def print_table(info, rows):
+    window = f", window {info['window']}" if info.get("window") else ""
     print(f"\nW={info['world']} {info['heads']} q heads, d={info['head_dim']}, batch "
-          f"{info['batch']}, {'causal' if info['causal'] else 'non-causal'} {info['dtype']}, "
+          f"{info['batch']}, {'causal' if info['causal'] else 'non-causal'}{window} "
+          f"{info['dtype']}, "
           f"{info.get('gpu', info['device'])}; torch {info['torch']}, cuDNN {info.get('cudnn')}, "
           f"Triton {info.get('triton')}; {info.get('git_commit')}")
     print("times: median over --iters, max over ranks (rank of the max fwd/fwd+bwd at the end); "

@@ -51,6 +51,20 @@ def test_smoke_run_with_packed_documents(one_thread):
     assert per_rank.document_mix(1024, 4, 0) == tuple(cu)
 
 
+def test_smoke_run_with_a_sliding_window(one_thread):
+    """--window: every method with a window shorter than a rank's share (steps skipped), the
+    ideal the CPU kernel with the window over the whole sequence; the ranks' fractions of it are
+    finite, and the JSON and table say the window."""
+    result = per_rank.main([*SMOKE, "--kv-heads", "2", "--window", "5", "--methods",
+                            "ideal,ring_fp32,zigzag_exact,stripe_fp32,llama3_fp32"])
+    rows = result["rows"]
+    assert [r["error"] for r in rows] == [None] * 5
+    assert all(r["window"] == 5 for r in rows) and result["meta"]["window"] == 5
+    assert rows[0]["method"] == "ideal_cpu_flash" and all(r["frac_fwd_bwd"] > 0 for r in rows)
+    config = per_rank.configs(per_rank.parse_args([*SMOKE, "--window", "5"]))[0]
+    assert config.window_arg() == (4, -1)  # Hugging Face's sliding_window=5
+
+
 def test_smoke_run_with_inputs_in_a_models_layout(one_thread):
     """--layout bshd: q, k, v, dout as a model's projections make them ([B, S, H, D] memory), for
     the ring and the ideal alike."""
@@ -183,6 +197,8 @@ def test_help_describes_every_option(capsys):
                                    "math)"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8' (choose from bf16, fp16)"),
     (["--layout", "sbhd"], "argument --layout: invalid choice: 'sbhd' (choose from bhsd, bshd)"),
+    (["--window", "0"], "argument --window: has '0'; expected an integer >= 1"),
+    (["--window", "64", "--documents"], "argument --window: not with --documents"),
 ])
 def test_bad_arguments_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -2,8 +2,8 @@
 same window, on every rank (and the same bits as ``simulate_ring``); the bytes the windowed
 exchange moves per layer against the full ring (``dtensor_ring.comm.TRAFFIC``); ranks that pass
 different windows; the DTensor SDPA rule with a registered window (ring and replicated key/value);
-and ``ContextParallel(window=...)`` on the repository's Llama against the same model with a
-windowed mask on one process.
+``ContextParallel(window=...)`` on the repository's Llama against the same model with a windowed
+mask on one process; and layers compiled one by one recompiling only for a new window.
 
 Tolerances: ``numerics.TOLERANCE`` (the single-device kernel's own error, SDPA with the window as a
 mask), stripe in fp32 as in test_windows.py; models: fp32 rel-RMS <= 1e-5 of float64, as in
@@ -232,10 +232,37 @@ def _context_parallel(mesh, failures):
 def _ranks(mesh):
     failures = []
     for part in (_attention, _documents, _traffic, _different_windows, _dtensor_rule,
-                 _context_parallel):
+                 _context_parallel, _no_recompile_for_the_same_window):
         part(mesh, failures)
     assert not failures, "\n".join(failures)
 
 
 def test_windows_on_4_gloo_ranks():
     run_on_ranks(4, _ranks)
+
+
+class _Layer(torch.nn.Module):
+    """An attention layer whose window is an attribute, as transformers' layers hold theirs."""
+
+    def __init__(self, mesh, window):
+        super().__init__()
+        self.mesh, self.window = mesh, window
+
+    def forward(self, q, k, v):
+        return dr.ring_attention(q, k, v, mesh=self.mesh, schedule="zigzag", is_causal=True,
+                                 window=self.window)
+
+
+def _no_recompile_for_the_same_window(mesh, failures):
+    """Layers compiled one by one share their compiled code where the window is the same: the
+    window is a constant of the op (guarded by value), so windows [A, B, A, B, A] compile twice."""
+    from torch._dynamo.testing import CompileCounter  # noqa: PLC0415
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    q = dr.shard_sequence(make_inputs(1, 4, 2, mesh.size() * LOCAL, 16, seed=16)[0], mesh)
+    for window in [(5, 0), (9, 0), (5, 0), (9, 0), (5, 0)]:
+        torch.compile(_Layer(mesh, window), backend=counter, fullgraph=True)(q, q[:, :2], q[:, :2])
+    if counter.frame_count != 2:
+        failures.append(f"rank {mesh.get_local_rank()}: {counter.frame_count} compiles for two "
+                        "distinct windows")
