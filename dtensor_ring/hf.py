@@ -179,6 +179,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
             raise ValueError(f"{name} ({type(module).__name__}: attention sinks / logit "
                              "soft-capping) is not supported with context parallelism; "
                              "valid: None")
+    window = _window(sliding_window)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
         raise ValueError(f"is_causal={causal!r} ({type(module).__name__}): only causal "
@@ -186,7 +187,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     out = ring_attention(query, key, value, mesh=settings.mesh, schedule=settings.schedule,
                          is_causal=True, scale=scaling, precision=settings.precision,
                          backend=settings.backend, cu_seqlens=settings.cu_seqlens,
-                         max_seqlen=settings.max_seqlen, window=_window(sliding_window))
+                         max_seqlen=settings.max_seqlen, window=window)
     return out.transpose(1, 2).contiguous(), None
 
 

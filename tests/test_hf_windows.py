@@ -111,3 +111,21 @@ def _ranks(mesh):
 
 def test_hf_sliding_windows_match_one_process_step_by_step():
     run_on_ranks(4, _ranks)
+
+
+@pytest.mark.parametrize("kwargs, fragments", [
+    (dict(s_aux=torch.zeros(4)), ("s_aux", "not supported", "valid: None")),
+    (dict(softcap=50.0), ("softcap", "not supported", "valid: None")),
+    (dict(sliding_window=0), ("sliding_window=0", "positive int")),
+], ids=["attention sinks", "soft-capping", "window of 0"])
+def test_what_the_ring_does_not_compute_is_refused(kwargs, fragments):
+    """GPT-OSS's attention sinks and Gemma 2's logit soft-capping change the softmax, which the
+    ring does not; a window must hold at least the query itself."""
+    q = torch.randn(1, 4, 8, 16)
+    with pytest.raises(ValueError) as error:
+        hf._attention(torch.nn.Module(), q, q, q, None, **{hf.SETTINGS: object()}, **kwargs)
+    assert all(f in str(error.value) for f in fragments), str(error.value)
+
+
+def test_window_is_left_w_minus_1():
+    assert hf._window(None) is None and hf._window(16) == (15, 0) and hf._window(1) == (0, 0)

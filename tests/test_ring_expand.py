@@ -22,19 +22,20 @@ LSE = torch.randn(1, 4, 16)
 CU = torch.tensor([0, 16, 24, 64], dtype=torch.int32)  # documents of 16, 8 and 40 tokens
 
 
-def expanded(schedule, is_causal, backward, documents=False):
+def expanded(schedule, is_causal, backward, documents=False, window=(-1, -1)):
     """The rendered graph of one ring-attention op after the pass; with ``documents``, packed
-    documents whose boundaries are a graph input (so new boundaries need no new graph)."""
+    documents whose boundaries are a graph input (so new boundaries need no new graph); with
+    ``window``, a sliding window (a constant of the node)."""
     group = dist.group.WORLD.group_name
     options = (group, schedule, is_causal, 0.25, "cpu_flash", "fp32")
     if backward:
         gm = make_fx(lambda d, q, k, v, o, lse, cu: ops.ring_attention_bwd(
             d, q, k, v, o, lse, *options, cu if documents else None, 64 if documents else 0,
-            -1, -1),
+            *window),
             tracing_mode="fake")(Q, Q, KV, KV, Q, LSE, CU)
     else:
         gm = make_fx(lambda q, k, v, cu: ops.ring_attention_fwd(
-            q, k, v, *options, cu if documents else None, 64 if documents else 0, -1, -1),
+            q, k, v, *options, cu if documents else None, 64 if documents else 0, *window),
             tracing_mode="fake")(Q, KV, KV, CU)
     before = sum(COUNTERS.values())
     assert expand_ring_attention(gm.graph) == 1
@@ -53,6 +54,83 @@ class RingExpandTest(expecttest.TestCase):
     @classmethod
     def tearDownClass(cls):
         dist.destroy_process_group()
+
+    # Sliding windows (schedules/windowed.py): 16 tokens per rank, rank 1 of 4. Causal with 3
+    # keys before each query, rank 1 needs the last 3 rows of rank 0 and rank 2 the last 3 of
+    # rank 1: one offset of the ring's three, 3 rows of K and of V each way (flattened: 2 kv
+    # heads x 3 rows x 8 = 48 elements); offsets 2 and 3 reach no query and are skipped, with
+    # no collective at all. Its blocks: the own band, and a triangle of rank 0's rows.
+    def test_ring_window_skips_the_steps_out_of_reach(self):
+        self.assertExpectedInline(expanded("ring", True, False, window=(3, -1)), """\
+  (4 ops)
+all_to_all_single(48, [48, 0, 0, 0], [0, 0, 48, 0])
+  (2 ops)
+all_to_all_single(48, [48, 0, 0, 0], [0, 0, 48, 0])
+  (18 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x16x8, 1x2x16x8, 1x2x16x8, mask)
+  (11 ops)
+wait(48)
+  (1 ops)
+wait(48)
+  (16 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x3x8, 1x2x3x8, 1x2x3x8, mask)
+  (36 ops)""")
+
+    def test_ring_window_backward_returns_dk_dv_to_their_owner(self):
+        self.assertExpectedInline(expanded("ring", True, True, window=(3, -1)), """\
+  (4 ops)
+all_to_all_single(48, [48, 0, 0, 0], [0, 0, 48, 0])
+  (2 ops)
+all_to_all_single(48, [48, 0, 0, 0], [0, 0, 48, 0])
+  (21 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x8x8, 1x2x8x8, 1x4x8x8, 1x4x8, mask)
+  (3 ops)
+wait(48)
+  (1 ops)
+wait(48)
+  (23 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x3x8, 1x4x3x8, 1x2x3x8, 1x2x3x8, 1x4x3x8, 1x4x3, mask)
+  (8 ops)
+all_to_all_single(48, [0, 0, 48, 0], [48, 0, 0, 0])
+  (1 ops)
+all_to_all_single(48, [0, 0, 48, 0], [48, 0, 0, 0])
+  (21 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x4x8x8, 1x4x8x8, 1x2x11x8, 1x2x11x8, 1x4x8x8, 1x4x8, mask)
+  (35 ops)
+wait(48)
+  (1 ops)
+wait(48)
+  (65 ops)""")
+
+    # zigzag: chunk 1 (rank 1's first half) needs chunk 0, rank 0's first half; chunk 6 (its
+    # second half) needs chunk 5, rank 2's second half: offsets 1 and 3 (= -1); offset 2 skipped.
+    def test_zigzag_window_exchanges_with_both_neighbours(self):
+        self.assertExpectedInline(expanded("zigzag", True, False, window=(3, -1)), """\
+  (4 ops)
+all_to_all_single(48, [48, 0, 0, 0], [0, 0, 48, 0])
+  (2 ops)
+all_to_all_single(48, [48, 0, 0, 0], [0, 0, 48, 0])
+  (20 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x8x8, 1x2x8x8, 1x2x8x8, mask)
+  (35 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x8x8, 1x2x8x8, 1x2x8x8, mask)
+  (17 ops)
+wait(48)
+  (1 ops)
+wait(48)
+  (5 ops)
+all_to_all_single(48, [0, 0, 48, 0], [48, 0, 0, 0])
+  (2 ops)
+all_to_all_single(48, [0, 0, 48, 0], [48, 0, 0, 0])
+  (15 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x3x8, 1x2x3x8, 1x2x3x8, mask)
+  (11 ops)
+wait(48)
+  (1 ops)
+wait(48)
+  (16 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x4x3x8, 1x2x3x8, 1x2x3x8, mask)
+  (57 ops)""")
 
     def test_ring_causal_forward(self):
         self.assertExpectedInline(expanded("ring", True, False), """\

@@ -27,23 +27,22 @@ def form(documents: bool) -> str:
 
 
 def visible(window, seq_q: int, seq_k: int, device) -> torch.Tensor:
-    """[seq_q, seq_k] booleans: which row sees which column under ``window``."""
+    """[seq_q, seq_k] booleans: which row sees which column under ``window`` (no in-place ops:
+    traced by the compile pass, which functionalises them)."""
     if isinstance(window, Band):
-        rows = torch.arange(seq_q, device=device)[:, None]
-        cols = torch.arange(seq_k, device=device)[None, :]
-        seen = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
-        if window.lo is not None:
-            seen &= cols - rows >= window.lo
-        if window.hi is not None:
-            seen &= cols - rows <= window.hi
-        return seen
-    assert isinstance(window, Positions), window
-    q, k = window.q.long()[:, None], window.k.long()[None, :]
+        q = torch.arange(seq_q, device=device)[:, None]
+        k = torch.arange(seq_k, device=device)[None, :]
+        lowest, highest = window.lo, window.hi  # on k - q
+    else:
+        assert isinstance(window, Positions), window
+        q, k = window.q.long()[:, None], window.k.long()[None, :]
+        lowest = -window.left if window.left >= 0 else None
+        highest = window.right if window.right >= 0 else None
     seen = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
-    if window.left >= 0:
-        seen &= k >= q - window.left
-    if window.right >= 0:
-        seen &= k <= q + window.right
+    if lowest is not None:
+        seen = seen & (k - q >= lowest)
+    if highest is not None:
+        seen = seen & (k - q <= highest)
     return seen
 
 
@@ -82,11 +81,12 @@ def flash_forward(q, k, v, window: Band, scale: float):
 
 
 def flash_backward(dout, q, k, v, out, lse, window: Band, scale: float):
-    """dq, dk, dv of a band block. Contiguous copies in the op's layout: flash's backward gave
-    wrong gradients on row-sliced views (``kernels/cuda.py``)."""
+    """dq, dk, dv of a band block. Its operands contiguous ([B, H, S, D], seen as [B, S, H, D]:
+    what PyTorch's SDPA flash backward hands the op): flash's backward gave wrong gradients on
+    row-sliced views (``kernels/cuda.py``), and a whole contiguous tensor is not copied."""
     left, right = flash_window(window, q.shape[2], k.shape[2])
     unused_rng = torch.empty(0, device=q.device)
-    dense = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]
+    dense = [x.contiguous().transpose(1, 2) for x in (dout, q, k, v, out)]
     dq, dk, dv = _aten._flash_attention_backward(
         *dense, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, False, unused_rng,
         unused_rng, scale=scale, window_size_left=left, window_size_right=right)

@@ -254,7 +254,8 @@ def _own_parts(plan: RankPlan, masks, docs) -> tuple[list, list]:
         return own, []
     if len(own) == 1:
         block = own[0]
-        return [], split_rows(block, (block.q.stop - block.q.start) // 2, masks)
+        parts = split_rows(block, (block.q.stop - block.q.start) // 2, masks)
+        return parts[:1], parts[1:]
     return own[:len(own) // 2], own[len(own) // 2:]
 
 
