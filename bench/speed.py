@@ -29,6 +29,13 @@ on; each rank's failure flag is all-reduced so every rank takes the same branch.
 rewritten after every row, so a run stopped by a time limit keeps what it measured; --budget-s
 skips what is left once that many seconds have passed (the ranks agree on it).
 
+--window W: a sliding window, Hugging Face's ``sliding_window=W`` (a query sees itself and the
+W - 1 tokens before it; non-causal, also the W - 1 after it), for the reference and every method:
+``window=(W - 1, 0)`` for ours; the ideal is one GPU's windowed flash (PyTorch's flash op with
+window sizes; cuDNN through PyTorch and PyTorch's context_parallel take no window: their rows say
+so). Each of our rows also gets ``sent_mib``: the bytes this rank's exchanges sent in one forward
+and backward (``dtensor_ring.comm.TRAFFIC``; the max over ranks), to hold against the full ring's.
+
 --nccl-high-priority: NCCL's streams at high priority (a user setting passed to
 init_process_group), to see whether the exchanges then start before the compute they overlap.
 
@@ -53,6 +60,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
+from dtensor_ring.comm import TRAFFIC
+from dtensor_ring.kernels.base import NONE
+from dtensor_ring.layouts.windows import Band
 from dtensor_ring.numerics import NAMES, errors, fwd_bwd
 from report import describe, versions, write_json
 from timing import local_median_ms
@@ -78,6 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-causal", action="store_true", help="non-causal attention for every config")
+    p.add_argument("--window", type=int, default=None, metavar="W",
+                   help="a sliding window of W tokens (Hugging Face's sliding_window)")
     p.add_argument("--also-non-causal", type=ints, default=[], metavar="TOKENS",
                    help="after the causal sweep, non-causal configs at these tokens per GPU "
                         "(first --kv-heads value)")
@@ -128,21 +140,26 @@ def make_inputs(cfg, device, seed, need64):
             for sh in shapes], None
 
 
-def reference(q, k, v, dout, causal, scale, max_bytes=8 << 30):
+def reference(q, k, v, dout, causal, scale, window=None, max_bytes=8 << 30):
     """out, dq, dk, dv of the whole attention in the inputs' dtype (float64), a few q heads at a
-    time so the S x S matrices stay under ``max_bytes``; GQA through the kv head of each q head."""
+    time so the S x S matrices stay under ``max_bytes``; GQA through the kv head of each q head.
+    ``window``: Hugging Face's sliding_window (--window)."""
     b, hq, s, _ = q.shape
     groups = hq // k.shape[1]
     out, dq = torch.empty_like(q), torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     step = max(1, min(hq, max_bytes // (3 * b * s * s * q.element_size())))
-    keep = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if causal else None
+    keep = torch.ones(s, s, dtype=torch.bool, device=q.device)
+    if causal:
+        keep = keep.tril()
+    if window is not None:
+        keep = keep.tril(window - 1).triu(1 - window)
     for h0 in range(0, hq, step):
         heads = slice(h0, min(hq, h0 + step))
         kv_index = torch.arange(heads.start, heads.stop, device=q.device) // groups
         qh, doh, kh, vh = q[:, heads], dout[:, heads], k[:, kv_index], v[:, kv_index]
         p = qh @ kh.transpose(-1, -2) * scale
-        if causal:
+        if causal or window is not None:
             p.masked_fill_(~keep, float("-inf"))
         p = p.softmax(-1)
         oh = p @ vh
@@ -168,6 +185,8 @@ class Ctx:
         self.args, self.cfg, self.mesh, self.inputs = args, cfg, mesh, inputs
         self.world, self.rank = mesh.size(), mesh.get_local_rank()
         self.causal, self.gqa = cfg["causal"], cfg["heads"] != cfg["kv_heads"]
+        size = args.window
+        self.window = None if size is None else (size - 1, 0 if self.causal else size - 1)
         self._shards = {}
 
     def shards(self, layout):
@@ -187,6 +206,8 @@ class Ideal:
         q, k, v, dout = ctx.inputs
 
         def single(a, b, c):
+            if ctx.window is not None:
+                return _windowed_kernel(self.backend, a, b, c, ctx)
             with sdpa_kernel(self.backend) if self.backend is not None else _nullcontext():
                 return SDPA(a, b, c, is_causal=ctx.causal, enable_gqa=ctx.gqa)
 
@@ -198,6 +219,34 @@ class Ideal:
             return fwd_bwd(single, q, k, v, dout)
 
         yield forward, forward_backward, forward_backward  # the whole sequence already
+
+
+_WINDOW_KERNELS = {SDPBackend.FLASH_ATTENTION: "flash", None: "cpu_flash"}
+
+
+def _windowed_kernel(backend, q, k, v, ctx):
+    """--window's ideal: the block kernel with the window as one band over the whole sequence
+    (SDPA has no window argument), with autograd."""
+    if backend not in _WINDOW_KERNELS:
+        raise ValueError(f"{backend}: no sliding window through PyTorch (--window)")
+    kernel = dr.BACKENDS[_WINDOW_KERNELS[backend]]
+    band = Band(-ctx.window[0], 0 if ctx.causal else ctx.window[1])
+    return _KernelAttention.apply(q, k, v, kernel, band, q.shape[-1] ** -0.5)
+
+
+class _KernelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(autograd_ctx, q, k, v, kernel, band, scale):
+        out, lse = kernel.forward(q, k, v, NONE, scale, window=band)
+        autograd_ctx.save_for_backward(q, k, v, out, lse)
+        autograd_ctx.kernel, autograd_ctx.band, autograd_ctx.scale = kernel, band, scale
+        return out
+
+    @staticmethod
+    def backward(autograd_ctx, dout):
+        q, k, v, out, lse = autograd_ctx.saved_tensors
+        return (*autograd_ctx.kernel.backward(dout, q, k, v, out, lse, NONE, autograd_ctx.scale,
+                                              window=autograd_ctx.band), None, None, None)
 
 
 class Ours:
@@ -215,7 +264,7 @@ class Ours:
         def ring(a, b, c):
             return dr.ring_attention(a, b, c, mesh=ctx.mesh, schedule=self.schedule,
                                      is_causal=ctx.causal, precision=self.precision,
-                                     backend=backend)
+                                     backend=backend, window=ctx.window)
 
         def forward():
             with torch.no_grad():
@@ -241,6 +290,8 @@ class TorchCP:
         self.name = f"torch_cp_{rotation}"
 
     def run(self, ctx):
+        if ctx.window is not None:
+            raise ValueError("PyTorch's context_parallel takes no sliding window (--window)")
         from torch.distributed.tensor.experimental import context_parallel
         try:
             from torch.distributed.tensor.experimental._attention import (_cp_options,
@@ -337,6 +388,13 @@ class Runner:
         mine = self.args.budget_s > 0 and time.monotonic() - self.start > self.args.budget_s
         return self.agree("over" if mine else None)[0] is not None
 
+    def sent_mib(self, forward_backward):
+        """MiB this rank's exchanges sent in one forward and backward, the max over ranks."""
+        TRAFFIC.clear()
+        forward_backward()
+        _, (sent,) = self.agree(None, TRAFFIC["bytes"] / 2**20)
+        return sent
+
     def clean(self):
         gc.collect()
         if self.device == "cuda":
@@ -382,6 +440,8 @@ class Runner:
                 row.update(fwd_ms=fwd_ms / scale, fwd_bwd_ms=fb_ms / scale,
                            mem_gib=mem / 2**30 if cuda else None,
                            peak_gib=peak / 2**30 if cuda else None)
+                if method.kind == "ours":
+                    row["sent_mib"] = self.sent_mib(forward_backward)
                 if acc is not None:
                     row["rel_rms"] = {n: acc[n]["rel_rms"] for n in NAMES}
                     row["max_abs"] = {n: acc[n]["max_abs"] for n in NAMES}
@@ -422,6 +482,7 @@ def meta(args, world):
             "batch": args.batch, "dtype": "bfloat16", "iters": args.iters,
             "warmup": args.warmup, "fp32_backend": args.fp32_backend,
             "torch_cp_kernel": args.torch_cp_kernel, "accuracy_max_seq": args.accuracy_max_seq,
+            "window": args.window,
             "nccl_high_priority": args.nccl_high_priority}
     info.update(versions(args.device))
     return info
@@ -455,7 +516,7 @@ def sweep(args, mesh, device, info):
         inputs, inputs64 = make_inputs(cfg, device, args.seed, accuracy)
         ref = None
         if accuracy:
-            ref = reference(*inputs64, cfg["causal"], 1.0 / cfg["head_dim"] ** 0.5)
+            ref = reference(*inputs64, cfg["causal"], 1.0 / cfg["head_dim"] ** 0.5, args.window)
             del inputs64
         ctx = Ctx(args, cfg, mesh, inputs)
         single_err, ideal = None, None
@@ -502,19 +563,21 @@ def fmt_row(r):
         return f"{head} ERROR {r['error']}"
     return (f"{head} {_f(r.get('fwd_ms'), '9.3f')} {_f(r.get('frac_fwd'), '6.3f')} "
             f"{_f(r.get('fwd_bwd_ms'), '10.3f')} {_f(r.get('frac_fwd_bwd'), '6.3f')} "
-            f"{_f(r.get('mem_gib'), '7.2f')}  {acc}")
+            f"{_f(r.get('mem_gib'), '7.2f')} {_f(r.get('sent_mib'), '8.1f')}  {acc}")
 
 
 HEADER = (f"{'tok/GPU':>6} {'kv':>3} {'':>2} {'method':20} {'fwd ms':>9} {'frac':>6} "
-          f"{'fwd+bwd ms':>10} {'frac':>6} {'mem GiB':>7}  acc ratio out/dq/dk/dv")
+          f"{'fwd+bwd ms':>10} {'frac':>6} {'mem GiB':>7} {'sent MiB':>8}  "
+          "acc ratio out/dq/dk/dv")
 
 
 def print_table(info, rows):
     print(f"W={info['world_size']} heads={info['heads']} d={info['head_dim']} bf16 "
           f"{info.get('gpu', info['device'])} torch {info['torch']} cudnn {info.get('cudnn')} "
           f"triton {info.get('triton')}")
-    print("frac = single-GPU cuDNN time over the whole sequence / W, divided by the row's time; "
-          "mem = peak the call adds on its inputs (ideal rows: one GPU, whole sequence)")
+    print("frac = single-GPU cuDNN time over the whole sequence / W (with --window: windowed "
+          "flash), divided by the row's time; mem = peak the call adds on its inputs (ideal rows: "
+          "one GPU, whole sequence); sent = bytes a rank sent per fwd+bwd (max over ranks)")
     print(HEADER)
     for r in rows:
         print(fmt_row(r))
