@@ -120,9 +120,11 @@ def offsets(needed, world: int) -> list[int]:
     return sorted(found, key=lambda d: (min(d, world - d), d))
 
 
+@functools.lru_cache(maxsize=1024)
 def dense_plan(layout: Layout, rank: int, world: int, local_len: int, is_causal: bool,
-               window: Window, masks) -> RankPlan:
-    table = dense_pairs(layout.name, local_len, world, is_causal, window, tuple(masks))
+               window: Window, masks: tuple) -> RankPlan:
+    """A rank's plan without documents (host work only, cached: a call costs a lookup)."""
+    table = dense_pairs(layout.name, local_len, world, is_causal, window, masks)
     _, own, fresh = table[rank][rank]
     steps = []
     for d in offsets(lambda r, s: table[r][s] is not None, world):
@@ -143,22 +145,23 @@ def document_plan(layout: Layout, rank: int, world: int, local_len: int, is_caus
     def blocks(r, s):
         return layout.ring_blocks(local_len, r, s, world, is_causal, docs)
 
-    reach = docs.cached(("window_reach", layout.name, local_len, world, is_causal, window),
-                        lambda: _reach(layout, local_len, world, is_causal, window, docs))
+    def pairs():
+        reach = _reach(layout, local_len, world, is_causal, window, docs)
+        return [[(reach is None or reach[r][s]) and bool(blocks(r, s)) for s in range(world)]
+                for r in range(world)]
 
-    def needed(r, s):
-        return (reach is None or reach[r][s]) and bool(blocks(r, s))
-
+    needed = docs.cached(("window_pairs", layout.name, local_len, world, is_causal, window),
+                         pairs)
     own = [with_positions(b, positions(rank), positions(rank), window)
            for b in blocks(rank, rank)]
     steps, everything = [], slice(0, local_len)
-    for d in offsets(needed, world):
+    for d in offsets(lambda r, s: needed[r][s], world):
         src, dst = (rank - d) % world, (rank + d) % world
-        got = needed(rank, src)
+        got = needed[rank][src]
         steps.append(Step(d, everything if got else _NOTHING,
                           tuple(with_positions(b, positions(rank), positions(src), window)
                                 for b in blocks(rank, src)) if got else (),
-                          everything if needed(dst, rank) else _NOTHING))
+                          everything if needed[dst][rank] else _NOTHING))
     return RankPlan(tuple(own), 1, tuple(steps))
 
 
@@ -177,10 +180,11 @@ def _reach(layout, local_len, world, is_causal, window, docs):
 def plan_for(layout, comm, local_len, is_causal, window, kernel, docs) -> RankPlan:
     if docs is None:
         return dense_plan(layout, comm.rank, comm.world_size, local_len, is_causal, window,
-                          kernel.masks)
+                          tuple(kernel.masks))
     return document_plan(layout, comm.rank, comm.world_size, local_len, is_causal, window, docs)
 
 
+@functools.lru_cache(maxsize=256)
 def exchange_rows(layout: Layout, local_len: int, world: int, is_causal: bool,
                   window: Window) -> tuple[int, int]:
     """(the most K/V rows one rank receives in a forward, the messages it takes), no documents."""
