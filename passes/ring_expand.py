@@ -24,6 +24,11 @@ After (abridged; ``tests/test_ring_expand.py`` pins the full sequence):
     attn_1 = ...(q[S/2:], k_1, v_1, 0.0, False)                                  # step 1 block
     ... fp32 merge ... (and so on for steps 2 and 3)
 
+A call with a sliding window (two ints of the node: a constant, so layers with the same window
+share a graph) expands into the windowed exchange (``schedules/windowed.py``): per offset within
+reach one ``all_to_all_single`` per tensor, flattened, one non-zero split each way; offsets no
+query reaches have no collective at all (``tests/test_ring_expand.py`` pins which).
+
 The rank and world size come from the process group named in the node, so the result is specific to
 this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph cache never hands one
 rank's graph to another, and every process group's name and members: the node names its group,
