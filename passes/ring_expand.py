@@ -33,11 +33,15 @@ handed the 4-GPU expansion to the 2-GPU run). It also includes the DTensor rule'
 sequence schedules: the graph Dynamo hands over is the same whatever schedule the rule then
 traces (it reads the registry below Dynamo), so without them the caches (AOTAutograd's and the
 FX graph cache, in memory and on disk) would hand a graph traced under one schedule to a run
-under another.
+under another. And it includes a hash of the package's source (``source_key``): the on-disk cache
+outlives the process, and handed a run of one version of the code the expansion another version
+had traced (seen on an H100: a checkout of an older commit ran a newer commit's cached graph).
 """
 import collections
+import functools
 import hashlib
 import operator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,6 +51,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.distributed.distributed_c10d import _resolve_process_group, _world
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import dtensor_ring
 from dtensor_ring.comm import FunctionalComm
 from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.ops import schedule_call
@@ -139,7 +144,22 @@ class RingExpandPass(CustomGraphPass):
 
     def uuid(self):
         rank = dist.get_rank() if dist.is_initialized() else -1
-        return f"{VERSION}-rank{rank}-{process_groups_key()}-{sequence_schedules_key()}"
+        return (f"{VERSION}-rank{rank}-{process_groups_key()}-{sequence_schedules_key()}-"
+                f"{source_key()}")
+
+
+@functools.cache
+def source_key(roots=None) -> str:
+    """A hash of every Python file under ``roots`` (default: the runtime package and these
+    passes): what the expansion traces, so a change to any of it is a new cache key."""
+    if roots is None:
+        roots = (Path(dtensor_ring.__file__).parent, Path(__file__).parent)
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def process_groups_key() -> str:

@@ -688,6 +688,25 @@ class PassPlumbingTest(expecttest.TestCase):
             dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
         self.assertEqual(RingExpandPass().uuid(), four)
 
+    def test_cache_key_names_the_source(self):
+        # Inductor's on-disk cache outlives the process: an expansion traced by another version
+        # of the code must not come back. The key hashes every file the expansion traces.
+        import tempfile
+        from pathlib import Path
+
+        from dtensor_ring.passes import RingExpandPass
+        from dtensor_ring.passes.ring_expand import source_key
+
+        self.assertIn(source_key(), RingExpandPass().uuid())
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "schedule.py"
+            path.write_text("STEPS = 3\n")
+            before = source_key.__wrapped__((folder,))
+            path.write_text("STEPS = 4\n")
+            self.assertNotEqual(source_key.__wrapped__((folder,)), before)
+            path.write_text("STEPS = 3\n")
+            self.assertEqual(source_key.__wrapped__((folder,)), before)
+
     def test_install_keeps_a_users_pass_and_runs_it_after_ours(self):
         import torch._inductor.config as inductor_config
         from torch._inductor.custom_graph_pass import CustomGraphPass
