@@ -274,7 +274,9 @@ def _after_torch_context_parallel(rank, world, port):
         single = attention_and_grads(sdpa(True), q, k, v, dout, torch.bfloat16)
         for schedule in sorted(dr.SCHEDULES):
             layout = dr.SCHEDULE_LAYOUT[schedule]
-            for precision, compile_it in (("fp32", False), ("exact", False), ("fp32", True)):
+            runs = [("fp32", False), ("exact", False)] + (  # compiles: two schedules
+                [("fp32", True)] if schedule in ("zigzag", "llama3") else [])
+            for precision, compile_it in runs:
                 def ring(a, b, c, schedule=schedule, precision=precision):
                     return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule,
                                              is_causal=True, precision=precision)
