@@ -60,11 +60,12 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .attention import ring_attention
+from .documents import IGNORE_INDEX
 from .dtensor.style import ContextParallel
+from .loss import items_per_rank
 
 NAME = "dtensor_ring"  # the attention implementation's name in transformers' registry
 SETTINGS = "dtensor_ring_settings"  # the keyword that carries them down to the attention calls
-IGNORE = -100
 
 
 class _Settings(NamedTuple):
@@ -175,17 +176,14 @@ def _check_call(named) -> None:
 def _global_labels(named, world):
     """Shift ``labels`` over the whole sequence into ``shift_labels`` (unless the caller gave
     them) and return ``num_items_in_batch`` / ``world`` (None without labels)."""
-    ignore = named.get("ignore_index", IGNORE)
+    ignore = named.get("ignore_index", IGNORE_INDEX)
     labels = named.get("labels")
     if labels is not None and named.get("shift_labels") is None:
         named["shift_labels"] = F.pad(labels[..., 1:], (0, 1), value=ignore)
     shifted = named.get("shift_labels")
     if shifted is None:
         return None
-    count = named.pop("num_items_in_batch", None)
-    if count is None:
-        count = (shifted != ignore).sum()
-    return torch.as_tensor(count, dtype=torch.float32, device=shifted.device) / world
+    return items_per_rank(shifted, world, named.pop("num_items_in_batch", None), ignore)
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

@@ -6,9 +6,12 @@ back to back, ``position_ids`` restarting at 0 at each document (or, for ``Conte
 explicit ``cu_seqlens=`` keyword instead). The one-process reference runs the unsharded model with
 each SDPA call masked block-diagonally (attention within each document, causal), in float64 for
 the tolerance and in fp32 as the model itself. Tolerance (as in test_context_parallel.py): fp32
-rel-RMS <= 1e-5 for the loss and every parameter's gradient. Wrong answers must miss it by 100x:
-the style told to ignore documents (``documents=False``: attention across documents). Under
-``torch.compile`` a new batch with other boundaries must not recompile (Dynamo's counters).
+rel-RMS <= 1e-5 for the loss and every parameter's gradient. The labels hold -100 runs (a masked
+prompt, a masked span) that fall unevenly on the ranks in every layout, so the loss must be the
+mean over the whole batch's valid labels, not a mean of per-rank means. Wrong answers must miss the
+tolerance by 100x: the style told to ignore documents (``documents=False``: attention across
+documents), and the same model with a per-rank mean (a forward without ``num_items_in_batch``).
+Under ``torch.compile`` a new batch with other boundaries must not recompile (Dynamo's counters).
 Every rank asserts.
 """
 import copy
@@ -58,7 +61,18 @@ def _positions(cu):
 def _batch(seed, vocab):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, SEQ), generator=gen)
-    return ids, torch.randint(0, vocab, (1, SEQ), generator=gen)
+    labels = torch.randint(0, vocab, (1, SEQ), generator=gen)
+    labels[:, :24] = -100    # a masked prompt: its tokens sit on some ranks more than others
+    labels[:, 90:97] = -100  # a masked span in the middle
+    return ids, labels
+
+
+class PerRankMean(Llama):
+    """The Llama with the loss a model gets without ``num_items_in_batch``: each rank's mean over
+    its own valid labels (the mistake the test data must catch)."""
+
+    def forward(self, input_ids, position_ids=None, labels=None):
+        return super().forward(input_ids, position_ids, labels)
 
 
 def _grads(model):
@@ -115,6 +129,13 @@ def _style(mesh, failures, label):
                            reference)
             if not wrong > WRONG_FACTOR * FP32_LIMIT:
                 failures.append(f"{where}: attention across documents passed ({wrong:.2e})")
+            per_rank = PerRankMean(base.cfg)
+            per_rank.load_state_dict(base.state_dict())
+            per_rank = parallelize_module(per_rank, mesh, dr.ContextParallel(schedule))
+            wrong = _error(_sharded(per_rank, mesh, ids, labels, cu_seqlens=torch.tensor(cu)),
+                           reference)
+            if not wrong > WRONG_FACTOR * FP32_LIMIT:
+                failures.append(f"{where}: a mean of per-rank means passed ({wrong:.2e})")
 
 
 def _compiled(mesh, failures, label):

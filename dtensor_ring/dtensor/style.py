@@ -27,16 +27,21 @@ Applied to a module, it
    ``torch.compile`` (``_route_submodule``, ``_checkpoint_routed``).
 
 Packed documents (``packed.py``): given ``cu_seqlens`` (a keyword the module's forward need not
-have) or ``position_ids`` that restart at 0 at each document (Hugging Face's convention), the
-style shards every sequence input in the layout's per-document form, gives the module the
-positions within each document, and its SDPA attends within documents. ``documents=False`` takes
-``position_ids`` as they are and never looks for restarts.
+have) or ``position_ids`` that do not count up by one from one token to the next at each
+document's start (Hugging Face's rule), the style shards every sequence input in the layout's
+per-document form, gives the module the positions within each document (unless it was given
+``position_ids``), and its SDPA attends within documents. ``documents=False`` takes
+``position_ids`` as they are and never looks for documents.
 
-Outputs stay local (this rank's tokens, in the layout's order). Each rank's loss is the mean over
-its own tokens: with equal token counts the global loss is the mean over the ranks, and parameter
-gradients must be averaged over the mesh dimension like a data-parallel one (``sync_gradients``, or
-FSDP/DDP over the combined data x context mesh). Labels must already be aligned with the inputs
-(shifted by the caller), since a shift inside the model would cross shard boundaries.
+Outputs stay local (this rank's tokens, in the layout's order). The loss (``loss.py``): if the
+module's forward takes ``num_items_in_batch`` and the call passes ``labels``, the style passes
+(the count of ``labels`` that are not -100 over the whole batch, or the caller's
+``num_items_in_batch``) / W, so a loss that divides its sum by it has the batch's mean as its mean
+over the ranks whatever the -100 labels' spread; parameter gradients must be averaged over the
+mesh dimension like a data-parallel one (``sync_gradients``, or FSDP/DDP over the combined data x
+context mesh). Labels must already be aligned with the inputs (shifted by the caller), since a
+shift inside the model would cross shard boundaries. A transformers model is refused: it shifts
+its labels inside, and ``dtensor_ring.hf.apply`` handles it.
 """
 import functools
 import inspect
@@ -55,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..attention import ring_attention
 from ..layouts import get_layout
+from ..loss import items_per_rank
 from ..schedules import get_schedule
 from ..sharding import sequence_positions, shard_sequence
 from ..validation import check_int
@@ -63,6 +69,13 @@ from .placements import SEQ
 from .registry import set_sequence_schedule
 
 MASK_ARGS = ("attention_mask", "attn_mask", "mask")
+# Packed documents' boundaries, by the names callers give them: flash-attn's, and the keywords of
+# Hugging Face's DataCollatorWithFlattening(return_flash_attn_kwargs=True) with the longest
+# document's length (the style finds that itself). Given to the module only if it names them.
+BOUNDARY_ARGS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
+LENGTH_ARGS = ("max_length_q", "max_length_k")
+# Tensor arguments that describe the batch rather than hold one value per token: never sharded.
+NOT_SEQUENCES = (*BOUNDARY_ARGS, "num_items_in_batch")
 
 
 class _SequenceSdpa(TorchFunctionMode):
@@ -319,13 +332,19 @@ class ContextParallel(ParallelStyle):
             if isinstance(named.get(name), torch.Tensor):
                 raise ValueError(f"{name} is not supported with ContextParallel yet (got a tensor "
                                  f"of shape {tuple(named[name].shape)}); pass None / omit it")
-        chosen = [n for n, x in named.items() if isinstance(x, torch.Tensor) and n != "cu_seqlens"
-                  and (self.seq_inputs is None or n in self.seq_inputs)]
+        chosen = [n for n, x in named.items() if isinstance(x, torch.Tensor)
+                  and n not in NOT_SEQUENCES and (self.seq_inputs is None or n in self.seq_inputs)]
         if self.seq_inputs is not None:
             missing = [n for n in self.seq_inputs if n not in named]
             if missing:
                 raise ValueError(f"seq_inputs names {missing}, which the call did not pass; "
                                  f"arguments passed: {sorted(named)}")
+        world = dist.get_world_size(mesh.get_group())
+        if "num_items_in_batch" in names and isinstance(named.get("labels"), torch.Tensor):
+            # the whole batch's count, before sharding: each rank's loss sum / it is the
+            # batch's mean once averaged over the ranks (loss.py)
+            named["num_items_in_batch"] = items_per_rank(named["labels"], world,
+                                                         named.get("num_items_in_batch"))
         seq_len = lead = None
         for n in chosen:
             x = named[n]
@@ -335,7 +354,6 @@ class ContextParallel(ParallelStyle):
                     "name the sequence inputs with seq_inputs=(...)")
             if seq_len is None:
                 seq_len, lead = x.shape[self.seq_dim], tuple(x.shape[:self.seq_dim])
-                world = dist.get_world_size(mesh.get_group())
                 self.layout.check_global_len(seq_len, world, f"{n}.shape[{self.seq_dim}]")
             elif x.shape[self.seq_dim] != seq_len:
                 raise ValueError(
