@@ -131,6 +131,8 @@ class _CausalLMContextParallel(ContextParallel):
     """``ContextParallel`` for a transformers causal LM: before sharding, check the call, shift the
     labels over the whole sequence and count them; after, add the attention settings."""
 
+    _takes_transformers = True
+
     def _shard_inputs(self, names, args, kwargs, mesh, fill):
         named = dict(zip(names, args))
         named.update(kwargs)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 transformers = pytest.importorskip("transformers")
 
@@ -239,6 +240,16 @@ def _call_errors(mesh, mesh2d, failures):
                  "mesh=", "1-D DeviceMesh")
     expect_error(failures, "process group", ValueError,
                  lambda: hf.apply(_model(), mesh.get_group()), "mesh=", "1-D DeviceMesh")
+    # parallelize_module with the plain style would shift the labels inside each shard: refused,
+    # the model as it is and inside a module of the user's
+    plain = dr.ContextParallel("zigzag")
+    expect_error(failures, "plain ContextParallel", ValueError,
+                 lambda: parallelize_module(_model(), mesh, plain), "LlamaForCausalLM is a "
+                 "Hugging Face transformers model", "dtensor_ring.hf.apply(model, mesh")
+    expect_error(failures, "plain ContextParallel, wrapped", ValueError,
+                 lambda: parallelize_module(torch.nn.Sequential(_model()), mesh, plain),
+                 "Sequential holds a Hugging Face transformers model (LlamaForCausalLM)",
+                 "dtensor_ring.hf.apply")
 
 
 PACKED = [0, 32, 96, 128]  # documents of 32, 64 and 32 tokens

@@ -45,6 +45,7 @@ its labels inside, and ``dtensor_ring.hf.apply`` handles it.
 """
 import functools
 import inspect
+import sys
 import warnings
 
 import torch
@@ -189,6 +190,26 @@ def _may_run_sdpa(module: nn.Module) -> bool:
             or isinstance(module, _TORCH_MODULES_TO_ROUTE))
 
 
+def _refuse_transformers(module: nn.Module) -> None:
+    """A Hugging Face transformers model needs ``dtensor_ring.hf.apply``: plain ``ContextParallel``
+    would let it shift its labels inside each rank's shard and average per-rank means. Such a
+    model is an instance of transformers' ``PreTrainedModel``, so transformers' modeling module
+    is loaded whenever one exists: it is looked up, never imported."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return
+    found = next((m for m in module.modules() if isinstance(m, modeling.PreTrainedModel)), None)
+    if found is not None:
+        what = ("is a Hugging Face transformers model" if found is module else
+                f"holds a Hugging Face transformers model ({type(found).__name__})")
+        raise ValueError(
+            f"{type(module).__name__} {what}, which plain "
+            "ContextParallel would train wrongly (labels shifted inside each rank's shard, the "
+            "ranks' losses weighted by their own label counts); use "
+            "dtensor_ring.hf.apply(model, mesh, schedule=...) on the transformers causal LM "
+            "instead of parallelize_module(model, mesh, ContextParallel(...))")
+
+
 class ContextParallel(ParallelStyle):
     """Shard a module's sequence inputs in ``schedule``'s layout and run its SDPA as that schedule.
 
@@ -196,8 +217,10 @@ class ContextParallel(ParallelStyle):
     (1 for [batch, seq] token ids); ``precision``/``backend``: as in ``dr.ring_attention``;
     ``seq_inputs``: names of the arguments to shard (default: every tensor argument);
     ``position_ids``: the name of the forward parameter to fill with global positions (None: never);
-    ``documents``: look for packed documents (``cu_seqlens`` or restarting position ids).
+    ``documents``: look for packed documents (``cu_seqlens`` or jumps in ``position_ids``).
     """
+
+    _takes_transformers = False  # dtensor_ring.hf.apply's subclass takes transformers models
 
     def __init__(self, schedule: str = "zigzag", *, seq_dim: int = 1, precision: str = "fp32",
                  backend: str = "auto", seq_inputs=None, position_ids: str | None = "position_ids",
@@ -227,6 +250,8 @@ class ContextParallel(ParallelStyle):
             raise ValueError(
                 f"ContextParallel needs the 1-D sequence mesh (e.g. mesh['cp']); got "
                 f"{device_mesh!r}")
+        if not self._takes_transformers:
+            _refuse_transformers(module)
         self._register(device_mesh)
         params = inspect.signature(module.forward).parameters
         fill = self.position_ids is not None and self.position_ids in params
