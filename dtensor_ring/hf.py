@@ -30,9 +30,12 @@ Outputs (``logits``) hold this rank's tokens in the layout's order (``dr.unshard
 ``dim=1`` and ``layout=dr.SCHEDULE_LAYOUT[schedule]`` gives the natural order back).
 
 Packed batches (``DataCollatorWithFlattening``: one row, ``position_ids`` restarting at 0 at each
-document): the style finds the documents in the position ids and attention stays within each
+document): the style finds the documents in the position ids, or in the collator's
+``cu_seq_lens_q``/``cu_seq_lens_k`` (``return_flash_attn_kwargs=True``, so ``model(**batch)`` works
+as is; ``max_length_q``/``_k`` are dropped), and attention stays within each
 (``dtensor/packed.py``); each document's length must be a multiple of the layout's
-(``dr.pad_documents`` pads them). The labels are shifted over the whole row, as the model does on
+(``dr.pad_documents`` pads them). ``parallelize_module`` with the plain ``ContextParallel`` refuses
+a transformers model and names this module: it would shift the labels inside each shard. The labels are shifted over the whole row, as the model does on
 one device: the collator's -100 at each document's first token keeps a document's last token
 from predicting the next document.
 

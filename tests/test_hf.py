@@ -87,14 +87,17 @@ def _single(base, ids, labels):
     return loss.detach().double(), _grads(model)
 
 
-def _context_parallel(model, mesh, **inputs):
-    """Mean of the ranks' losses, cp-averaged gradients, this rank's logits."""
+def _context_parallel(model, mesh, module=None, **inputs):
+    """Mean of the ranks' losses, cp-averaged gradients, this rank's logits; ``module``: the one
+    that holds the parameters (``model``, or what ``torch.compile`` wrapped)."""
+    module = module or model
+    module.zero_grad()
     out = model(**inputs)
     out.loss.backward()
-    dr.dtensor.sync_gradients(model, mesh)
+    dr.dtensor.sync_gradients(module, mesh)
     loss = out.loss.detach().double()
     dist.all_reduce(loss, group=mesh.get_group())
-    return loss / mesh.size(), _grads(model), out.logits.detach()
+    return loss / mesh.size(), _grads(module), out.logits.detach()
 
 
 def _worst(result, reference):
@@ -301,6 +304,16 @@ def _packed(mesh, failures, label):
         if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
             failures.append(f"{label} packed {schedule}: loss {loss_err:.2e}, worst grad "
                             f"{worst} {grad_err:.2e} > {FP32_LIMIT}")
+    # The collator's own batch, with flash-attn's keywords: model(**batch) as transformers runs it.
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collator([{"input_ids": ids[0, a:b].tolist()} for a, b in zip(PACKED, PACKED[1:])])
+    if not (torch.equal(batch["labels"], labels) and "cu_seq_lens_q" in batch):
+        failures.append(f"{label}: the collator's batch is not the test's: {sorted(batch)}")
+    model = hf.apply(copy.deepcopy(base), mesh, schedule="zigzag")
+    loss_err, worst, grad_err = _worst(_context_parallel(model, mesh, **batch), reference)
+    if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
+        failures.append(f"{label} DataCollatorWithFlattening(return_flash_attn_kwargs=True): "
+                        f"loss {loss_err:.2e}, worst grad {worst} {grad_err:.2e} > {FP32_LIMIT}")
 
 
 def _sliding_windows(mesh, failures, label):

@@ -301,7 +301,7 @@ class ContextParallel(ParallelStyle):
             return False
         named = dict(zip(params, args))
         named.update(kwargs)
-        return (named.get("cu_seqlens") is not None
+        return (any(named.get(n) is not None for n in BOUNDARY_ARGS)
                 or isinstance(named.get(self.position_ids), torch.Tensor))
 
     def _route_submodule(self, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -350,9 +350,7 @@ class ContextParallel(ParallelStyle):
     def _shard_inputs(self, names, args, kwargs, mesh, fill):
         named = dict(zip(names, args))
         named.update(kwargs)
-        # cu_seqlens describes the batch for the style; the module gets it only if it asks for it
-        cu_seqlens = named.get("cu_seqlens") if "cu_seqlens" in names else named.pop(
-            "cu_seqlens", None)
+        cu_arg, cu_seqlens = _boundaries(named, names)
         for name in MASK_ARGS:
             if isinstance(named.get(name), torch.Tensor):
                 raise ValueError(f"{name} is not supported with ContextParallel yet (got a tensor "
@@ -390,9 +388,10 @@ class ContextParallel(ParallelStyle):
             group = mesh.get_group()
             packed = find_documents(cu_seqlens, named.get(self.position_ids), self.seq_dim,
                                     seq_len, self.layout, dist.get_rank(group),
-                                    dist.get_world_size(group), named[chosen[0]].device)
+                                    dist.get_world_size(group), named[chosen[0]].device,
+                                    cu_arg=cu_arg, positions_arg=self.position_ids)
         elif cu_seqlens is not None:
-            raise ValueError("cu_seqlens was passed to a ContextParallel module built with "
+            raise ValueError(f"{cu_arg} was passed to a ContextParallel module built with "
                              "documents=False (or with no sequence inputs to shard)")
         for n in chosen:
             named[n] = (shard_sequence(named[n], mesh, dim=self.seq_dim, layout=self.layout.name)
@@ -404,6 +403,32 @@ class ContextParallel(ParallelStyle):
             named[self.position_ids] = positions.expand(*lead, positions.shape[0])
         positional = tuple(named.pop(n) for n in names[:len(args)])
         return positional, named, packed
+
+
+def _boundaries(named, names):
+    """(the argument that gives the documents' boundaries, its value), or (None, None). They
+    describe the batch for the style; the module gets them only if its forward names them."""
+    given = {}
+    for n in (*BOUNDARY_ARGS, *LENGTH_ARGS):
+        value = named.get(n) if n in names else named.pop(n, None)
+        if value is not None:
+            given[n] = value
+    boundaries = [n for n in BOUNDARY_ARGS if n in given]
+    if not boundaries:
+        return None, None
+    first = boundaries[0]
+    for other in boundaries[1:]:
+        if not torch.equal(torch.as_tensor(given[other]).cpu().long(),
+                           torch.as_tensor(given[first]).cpu().long()):
+            raise ValueError(
+                f"{other} differs from {first} ({_listed(given[other])} vs "
+                f"{_listed(given[first])}); context parallelism runs self-attention over one set "
+                "of documents: pass the same boundaries, or only one of them")
+    return first, given[first]
+
+
+def _listed(x):
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
 BUCKET_MB = 25  # sync_gradients' default bucket size (DDP's default too)
