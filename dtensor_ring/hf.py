@@ -41,7 +41,9 @@ from predicting the next document.
 
 A sliding window (Mistral's ``sliding_window=4096``, Gemma's sliding layers) at least as long as
 what one attention spans (the sequence, or the longest packed document) is full causal attention,
-which the ring computes; a shorter one is refused at call time, naming the lengths.
+which the ring computes; a shorter one is refused at call time, naming the lengths. The style
+checks it before the forward; under ``torch.compile`` the attention does not read the span again,
+so the longest document's exact length is no guard of the graph (its power-of-two bucket is).
 
 Refused with a ``ValueError`` naming the argument: a model that is not a transformers causal LM
 with SDPA attention through ``AttentionInterface`` (``config._attn_implementation`` must be
@@ -205,7 +207,10 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if dropout:
         raise ValueError(f"attention dropout={dropout} (config.attention_dropout, in training) "
                          "is not supported with context parallelism; valid: 0.0")
-    if sliding_window is not None:  # apply() checked it covers the span; say so if not
+    # The style checked the model's window against the span before the forward. Read here under
+    # torch.compile, the span (the longest document) would become a guard: a recompile whenever
+    # it changes, where the graph depends only on its power-of-two bucket (max_seqlen).
+    if sliding_window is not None and not torch.compiler.is_compiling():
         _check_window(sliding_window, settings.span, settings.cu_seqlens is not None)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
