@@ -108,22 +108,3 @@ def test_simulate_ring_errors():
     with pytest.raises(ValueError, match=r"query.shape\[2\] \(sequence length\)=12 is not divisible by the mesh size 5"):
         dr.simulate_ring(q, k, v, world_size=5, schedule="stripe")
 
-
-def test_global_mean_loss(mesh):
-    """One rank: the sum over the count. Bad arguments are named."""
-    total = torch.tensor(6.0, requires_grad=True)
-    loss = dr.global_mean_loss(total, torch.tensor(4), mesh)
-    loss.backward()
-    assert loss.item() == 1.5 and total.grad.item() == 0.25
-    assert dr.global_mean_loss(total, 3, dist.group.WORLD).item() == 2.0
-    with pytest.raises(TypeError, match=r"count must be a non-negative int or an integer tensor "
-                       r"\(the number of valid labels\); got 2.5"):
-        dr.global_mean_loss(total, 2.5, mesh)
-    with pytest.raises(TypeError, match=r"count must be an int or a one-element integer tensor.*"
-                       r"torch.float32 tensor of shape \(\)"):
-        dr.global_mean_loss(total, torch.tensor(2.0), mesh)
-    with pytest.raises(TypeError, match=r"loss_sum must be a floating-point tensor \(a sum of "
-                       r"token losses\); got int"):
-        dr.global_mean_loss(6, 4, mesh)
-    with pytest.raises(ValueError, match=r"mesh must be a 1-D DeviceMesh; got a 2-D mesh"):
-        dr.global_mean_loss(total, 4, init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp")))
