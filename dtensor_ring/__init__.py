@@ -18,6 +18,6 @@ from . import passes  # noqa: E402 - needs the runtime above; installed as dtens
 passes.install()
 
 __all__ = ["BACKENDS", "ContextParallel", "LAYOUTS", "SCHEDULES", "SCHEDULE_LAYOUT",
-           "document_multiple", "global_mean_loss", "pad_documents", "ring_attention", "save_ring_attention",
-           "save_ring_attention_context", "sequence_positions", "shard_sequence",
-           "simulate_ring", "unshard_sequence"]
+           "document_multiple", "global_mean_loss", "pad_documents", "ring_attention",
+           "save_ring_attention", "save_ring_attention_context", "sequence_positions",
+           "shard_sequence", "simulate_ring", "unshard_sequence"]

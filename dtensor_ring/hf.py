@@ -35,9 +35,9 @@ document): the style finds the documents in the position ids, or in the collator
 as is; ``max_length_q``/``_k`` are dropped), and attention stays within each
 (``dtensor/packed.py``); each document's length must be a multiple of the layout's
 (``dr.pad_documents`` pads them). ``parallelize_module`` with the plain ``ContextParallel`` refuses
-a transformers model and names this module: it would shift the labels inside each shard. The labels are shifted over the whole row, as the model does on
-one device: the collator's -100 at each document's first token keeps a document's last token
-from predicting the next document.
+a transformers model and names this module: it would shift the labels inside each shard. The labels
+are shifted over the whole row, as the model does on one device: the collator's -100 at each
+document's first token keeps a document's last token from predicting the next document.
 
 A sliding window (Mistral's ``sliding_window=4096``, Gemma's sliding layers) at least as long as
 what one attention spans (the sequence, or the longest packed document) is full causal attention,
