@@ -107,4 +107,3 @@ def test_simulate_ring_errors():
         dr.simulate_ring(q, k, v, world_size=8, schedule="llama3")
     with pytest.raises(ValueError, match=r"query.shape\[2\] \(sequence length\)=12 is not divisible by the mesh size 5"):
         dr.simulate_ring(q, k, v, world_size=5, schedule="stripe")
-
