@@ -30,15 +30,20 @@ Outputs (``logits``) hold this rank's tokens in the layout's order (``dr.unshard
 ``dim=1`` and ``layout=dr.SCHEDULE_LAYOUT[schedule]`` gives the natural order back).
 
 Packed batches (``DataCollatorWithFlattening``: one row, ``position_ids`` restarting at 0 at each
-document): the style finds the documents in the position ids and attention stays within each
+document): the style finds the documents in the position ids, or in the collator's
+``cu_seq_lens_q``/``cu_seq_lens_k`` (``return_flash_attn_kwargs=True``, so ``model(**batch)`` works
+as is; ``max_length_q``/``_k`` are dropped), and attention stays within each
 (``dtensor/packed.py``); each document's length must be a multiple of the layout's
-(``dr.pad_documents`` pads them). The labels are shifted over the whole row, as the model does on
-one device: the collator's -100 at each document's first token keeps a document's last token
-from predicting the next document.
+(``dr.pad_documents`` pads them). ``parallelize_module`` with the plain ``ContextParallel`` refuses
+a transformers model and names this module: it would shift the labels inside each shard. The labels
+are shifted over the whole row, as the model does on one device: the collator's -100 at each
+document's first token keeps a document's last token from predicting the next document.
 
 A sliding window (Mistral's ``sliding_window=4096``, Gemma's sliding layers) at least as long as
 what one attention spans (the sequence, or the longest packed document) is full causal attention,
-which the ring computes; a shorter one is refused at call time, naming the lengths.
+which the ring computes; a shorter one is refused at call time, naming the lengths. The style
+checks it before the forward; under ``torch.compile`` the attention does not read the span again,
+so the longest document's exact length is no guard of the graph (its power-of-two bucket is).
 
 Refused with a ``ValueError`` naming the argument: a model that is not a transformers causal LM
 with SDPA attention through ``AttentionInterface`` (``config._attn_implementation`` must be
@@ -60,11 +65,12 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .attention import ring_attention
+from .documents import IGNORE_INDEX
 from .dtensor.style import ContextParallel
+from .loss import items_per_rank
 
 NAME = "dtensor_ring"  # the attention implementation's name in transformers' registry
 SETTINGS = "dtensor_ring_settings"  # the keyword that carries them down to the attention calls
-IGNORE = -100
 
 
 class _Settings(NamedTuple):
@@ -130,6 +136,8 @@ class _CausalLMContextParallel(ContextParallel):
     """``ContextParallel`` for a transformers causal LM: before sharding, check the call, shift the
     labels over the whole sequence and count them; after, add the attention settings."""
 
+    _takes_transformers = True
+
     def _shard_inputs(self, names, args, kwargs, mesh, fill):
         named = dict(zip(names, args))
         named.update(kwargs)
@@ -175,17 +183,14 @@ def _check_call(named) -> None:
 def _global_labels(named, world):
     """Shift ``labels`` over the whole sequence into ``shift_labels`` (unless the caller gave
     them) and return ``num_items_in_batch`` / ``world`` (None without labels)."""
-    ignore = named.get("ignore_index", IGNORE)
+    ignore = named.get("ignore_index", IGNORE_INDEX)
     labels = named.get("labels")
     if labels is not None and named.get("shift_labels") is None:
         named["shift_labels"] = F.pad(labels[..., 1:], (0, 1), value=ignore)
     shifted = named.get("shift_labels")
     if shifted is None:
         return None
-    count = named.pop("num_items_in_batch", None)
-    if count is None:
-        count = (shifted != ignore).sum()
-    return torch.as_tensor(count, dtype=torch.float32, device=shifted.device) / world
+    return items_per_rank(shifted, world, named.pop("num_items_in_batch", None), ignore)
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -202,7 +207,10 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if dropout:
         raise ValueError(f"attention dropout={dropout} (config.attention_dropout, in training) "
                          "is not supported with context parallelism; valid: 0.0")
-    if sliding_window is not None:  # apply() checked it covers the span; say so if not
+    # The style checked the model's window against the span before the forward. Read here under
+    # torch.compile, the span (the longest document) would become a guard: a recompile whenever
+    # it changes, where the graph depends only on its power-of-two bucket (max_seqlen).
+    if sliding_window is not None and not torch.compiler.is_compiling():
         _check_window(sliding_window, settings.span, settings.cu_seqlens is not None)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if not causal:
