@@ -15,7 +15,9 @@ Methods, per config (tokens per GPU x kv heads; d = 128, causal bf16 unless told
   ``set_rotate_method(...)``, SDPA under cuDNN. It shards with its own load balancer (a position
   buffer tells which global tokens each rank holds); only the attention call is timed.
 * ``<schedule>_<precision>``: ``dr.ring_attention`` for ring / zigzag / stripe / llama3 in precision
-  fp32 (cuDNN block kernels by default) and exact (the Triton kernel).
+  fp32 (cuDNN block kernels by default) and exact (the Triton kernel); ``..._compiled`` the same
+  under ``torch.compile``, ``..._captured`` captured in CUDA graphs with NCCL inside and replayed
+  (``Ours``).
 
 Columns: forward and forward+backward time (CUDA events, --warmup, median of --iters, max over ranks),
 fraction of the ideal, the memory the call adds on top of its inputs at its peak
@@ -250,11 +252,16 @@ class _KernelAttention(torch.autograd.Function):
 
 
 class Ours:
+    """``dr.ring_attention`` eagerly (``<schedule>_<precision>``), compiled
+    (``..._compiled``: ``torch.compile(fullgraph=True)``, the compile pass's expansion) or
+    captured (``..._captured``, CUDA only: forward and forward+backward each captured once in a
+    CUDA graph, NCCL inside, after warm-up on a side stream, then replayed)."""
+
     kind = "ours"
 
-    def __init__(self, schedule, precision):
-        self.schedule, self.precision = schedule, precision
-        self.name = f"{schedule}_{precision}"
+    def __init__(self, schedule, precision, mode="eager"):
+        self.schedule, self.precision, self.mode = schedule, precision, mode
+        self.name = f"{schedule}_{precision}" + ("" if mode == "eager" else f"_{mode}")
 
     def run(self, ctx):
         layout = dr.SCHEDULE_LAYOUT[self.schedule]
@@ -266,15 +273,40 @@ class Ours:
                                      is_causal=ctx.causal, precision=self.precision,
                                      backend=backend, window=ctx.window)
 
-        def forward():
-            with torch.no_grad():
-                ring(*shards[:3])
+        def forward_of(fn):
+            def forward():
+                with torch.no_grad():
+                    return fn(*shards[:3])
+            return forward
+
+        fn = torch.compile(ring, fullgraph=True) if self.mode == "compiled" else ring
+        forward, forward_backward = forward_of(fn), lambda: fwd_bwd(fn, *shards)
+        if self.mode == "captured":
+            forward, forward_backward = (_captured(call) for call in (forward, forward_backward))
 
         def whole():
             return [dr.unshard_sequence(x.contiguous(), ctx.mesh, layout=layout)
-                    for x in fwd_bwd(ring, *shards)]
+                    for x in forward_backward()]
 
-        yield forward, lambda: fwd_bwd(ring, *shards), whole
+        yield forward, forward_backward, whole
+
+
+def _captured(call):
+    """``call`` captured in a CUDA graph: a function that replays it and returns its outputs."""
+    for _ in range(2):  # warm-up as torch.cuda.graph asks: on a side stream
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = call()
+
+    def replay():
+        graph.replay()
+        return static
+    return replay
 
 
 class TorchCP:
@@ -357,8 +389,9 @@ def all_methods(device):
     ideals = ([Ideal("ideal_cudnn", SDPBackend.CUDNN_ATTENTION),
                Ideal("ideal_flash", SDPBackend.FLASH_ATTENTION)] if device == "cuda"
               else [Ideal("ideal_cpu", None)])
+    modes = ("eager", "compiled", "captured") if device == "cuda" else ("eager", "compiled")
     return (ideals + [TorchCP(r) for r in ROTATIONS]
-            + [Ours(s, p) for s in SCHEDULES for p in PRECISIONS])
+            + [Ours(s, p, mode) for mode in modes for s in SCHEDULES for p in PRECISIONS])
 
 
 def selected(methods, prefixes):

@@ -5,6 +5,7 @@ from . import flops  # noqa: F401 - FlopCounterMode formulas for the ring's ops
 from .documents import document_multiple, pad_documents
 from .dtensor import ContextParallel  # installs the DTensor SDPA rule
 from .kernels import BACKENDS
+from .loss import global_mean_loss
 from .layouts import LAYOUTS
 from .schedules import SCHEDULES, get_schedule
 from .sharding import sequence_positions, shard_sequence, unshard_sequence
@@ -17,6 +18,6 @@ from . import passes  # noqa: E402 - needs the runtime above; installed as dtens
 passes.install()
 
 __all__ = ["BACKENDS", "ContextParallel", "LAYOUTS", "SCHEDULES", "SCHEDULE_LAYOUT",
-           "document_multiple", "pad_documents", "ring_attention", "save_ring_attention",
-           "save_ring_attention_context", "sequence_positions", "shard_sequence",
-           "simulate_ring", "unshard_sequence"]
+           "document_multiple", "global_mean_loss", "pad_documents", "ring_attention",
+           "save_ring_attention", "save_ring_attention_context", "sequence_positions",
+           "shard_sequence", "simulate_ring", "unshard_sequence"]

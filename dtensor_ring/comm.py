@@ -2,9 +2,9 @@
 
 A schedule needs four things from its peers; ``Communicator`` names them. ``ProcessGroupComm`` runs
 them on a real process group (gloo or NCCL); ``simulated.SimComm`` runs them between threads of one
-process, so ``simulate_ring`` executes the very same schedule code; ``FunctionalComm`` expresses them
-as PyTorch's traceable functional collectives, so the compile pass can trace that same code into a
-graph of explicit steps.
+process, so ``simulate_ring`` executes the very same schedule code; ``traced_comm.TracedComm``
+expresses them as traceable ops, so the compile pass can trace that same code into a graph of
+explicit steps.
 
 Every operation is posted at once and returns a ``Pending``; ``wait()`` gives the result. A schedule
 posts the next step's exchange before it computes the current step, so the two overlap.
@@ -87,10 +87,9 @@ NCCL_HEAD_START_CYCLES = 20_000
 
 # What ``ProcessGroupComm`` has posted in this process since it started (or since you cleared it):
 # the number of each operation ("send_recv_next", "send_recv", "all_gather", "reduce_scatter")
-# and "bytes",
-# the bytes this rank handed to them. The eager ring's exchanges, for tests and accounting (e.g. an
-# activation-checkpointing recompute's extra traffic); compiled graphs communicate through
-# functional collectives instead (``dtensor_ring.passes.COUNTERS``).
+# and "bytes", the bytes this rank handed to them: the ring's exchanges, eager and compiled
+# (``traced_comm`` runs these same operations), for tests and accounting (e.g. an
+# activation-checkpointing recompute's extra traffic).
 TRAFFIC: collections.Counter = collections.Counter()
 
 
@@ -160,72 +159,3 @@ class ProcessGroupComm:
         received = torch.empty_like(tensor)
         work = dist.all_to_all_single(received, tensor, group=self.group, async_op=True)
         return _Works([work], received, sum_in_rank_order)
-
-
-class _Wait:
-    def __init__(self, tensor, finish=None):
-        self.tensor, self.finish = tensor, finish
-
-    def wait(self):
-        done = torch.ops._c10d_functional.wait_tensor(self.tensor)
-        return self.finish(done) if self.finish else done
-
-
-class _WaitAll:
-    def __init__(self, pendings):
-        self.pendings = pendings
-
-    def wait(self):
-        return [p.wait() for p in self.pendings]
-
-
-class FunctionalComm:
-    """``Communicator`` as ``_c10d_functional`` ops (traceable by make_fx/Dynamo; on torch 2.11+).
-
-    The ring shift is an ``all_to_all_single`` per tensor with one non-zero split each way:
-    everything to rank+1, everything from rank-1, i.e. a P2P exchange that the graph can hold on
-    every supported torch version. Posting returns at once; ``wait()`` emits the ``wait_tensor``s.
-    """
-
-    def __init__(self, group_name: str, rank: int, world_size: int):
-        self.group_name, self.rank, self.world_size = group_name, rank, world_size
-
-    def send_recv_next(self, tensors):
-        if self.world_size == 1:
-            return _Done(list(tensors))
-        return _WaitAll([self._shift(t) for t in tensors])
-
-    def _shift(self, tensor):
-        rows = tensor.shape[0]
-        send = [rows if r == (self.rank + 1) % self.world_size else 0
-                for r in range(self.world_size)]
-        recv = [rows if r == (self.rank - 1) % self.world_size else 0
-                for r in range(self.world_size)]
-        return _Wait(torch.ops._c10d_functional.all_to_all_single(
-            tensor.contiguous(), recv, send, self.group_name))
-
-    def send_recv(self, offset, send, recv_shapes):
-        # One all_to_all_single per tensor, flattened (the two sides may hold different shapes),
-        # with at most one non-zero split each way; every rank emits it, moving nothing where
-        # it has nothing to move.
-        to = (self.rank + offset) % self.world_size
-        source = (self.rank - offset) % self.world_size
-        pending = []
-        for tensor, shape in zip(send, recv_shapes):
-            size = torch.Size(shape).numel()
-            out = [tensor.numel() if r == to else 0 for r in range(self.world_size)]
-            into = [size if r == source else 0 for r in range(self.world_size)]
-            pending.append(_Wait(torch.ops._c10d_functional.all_to_all_single(
-                tensor.contiguous().view(-1), into, out, self.group_name),
-                lambda t, shape=shape: t.view(shape)))
-        return _WaitAll(pending)
-
-    def all_gather(self, tensor):
-        gathered = torch.ops._c10d_functional.all_gather_into_tensor(
-            tensor.contiguous(), self.world_size, self.group_name)
-        return _Wait(gathered, lambda t: t.view(self.world_size, *tensor.shape))
-
-    def reduce_scatter(self, tensor):
-        flat = tensor.contiguous().view(self.world_size * tensor.shape[1], *tensor.shape[2:])
-        return _Wait(torch.ops._c10d_functional.reduce_scatter_tensor(
-            flat, "sum", self.world_size, self.group_name))

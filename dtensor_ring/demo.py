@@ -12,8 +12,12 @@ schedule, the ranks train the model as a training script would compose the two:
     fully_shard(model, mesh=dp_cp)              # FSDP2 over all dp x cp ranks
 
 for a few dozen AdamW steps on synthetic batches: each dp group takes its share of the batch, each
-cp rank its share of every sequence, and FSDP2 averages the gradients over all ranks (each rank's
-loss is the mean over its tokens, so that average is the whole batch's gradient).
+cp rank its share of every sequence, and FSDP2 averages the gradients over all ranks. The first
+tokens of every sequence cannot be predicted, so their labels are -100 (as a masked prompt's
+would be), and they sit on some ranks only: each rank's loss is its sum over its valid labels
+divided by the whole batch's count / cp (``ContextParallel`` passes it as the model's
+``num_items_in_batch``), so the ranks' mean is the batch's loss and the average of their gradients
+its gradient, where a mean over each rank's own labels would be visibly off.
 
 Every step is checked: rank 0 runs the whole batch, at the same weights, through the plain model on
 one process and compares the global loss (the mean of the ranks' losses) and the gradients with it.
@@ -36,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from .comm import _all_gather_tensor
+from .documents import IGNORE_INDEX
 from .dtensor import ContextParallel
 from .launch import init_from_env, launch
 from .models import Llama, LlamaConfig
@@ -54,11 +59,14 @@ def _batch(step: int, batch: int, seq: int, vocab: int):
     """Inputs and labels (the next token) of one step: random segments of ``PERIOD`` tokens repeated
     along the sequence, so every token from the second period on is predictable by attending
     ``PERIOD`` tokens back -- across shard boundaries, which only a correct ring gets right. The
-    steps cycle through ``DATASET_BATCHES`` batches, which the model soon learns: the loss falls."""
+    labels inside the first period (random tokens) are -100: nothing predicts them. The steps
+    cycle through ``DATASET_BATCHES`` batches, which the model soon learns: the loss falls."""
     gen = torch.Generator().manual_seed(step % DATASET_BATCHES)
     segment = torch.randint(0, vocab, (batch, PERIOD), generator=gen)
     tokens = segment.repeat(1, seq // PERIOD + 1)[:, :seq + 1]
-    return tokens[:, :-1], tokens[:, 1:]
+    labels = tokens[:, 1:].clone()
+    labels[:, :PERIOD - 1] = IGNORE_INDEX
+    return tokens[:, :-1], labels
 
 
 def _loss_and_grads(model, ids, labels):

@@ -19,6 +19,7 @@ back: the values are trusted (their dtype, shape and device are still checked).
 
 ``pad_documents`` is for the data pipeline: it pads each document to the layout's multiple.
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -101,10 +102,11 @@ def check_boundaries(values: list[int], seq_len: int, multiple: int, layout: str
 
 
 def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
-              device: torch.device) -> Documents | None:
+              device: torch.device, arg: str = "cu_seqlens") -> Documents | None:
     """``cu_seqlens`` / ``max_seqlen`` of a public call, checked, as ``Documents`` on ``device``
     (None without documents). ``seq_len``: the global length the boundaries must end at;
-    ``multiple``: what every document's length must be a multiple of (the layout's need)."""
+    ``multiple``: what every document's length must be a multiple of (the layout's need);
+    ``arg``: what the caller passed the boundaries as, for the errors about their values."""
     if cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError(f"max_seqlen={max_seqlen!r} is given without cu_seqlens; pass both "
@@ -134,7 +136,7 @@ def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
     if values is None and max_seqlen is None and not _is_traced(cu_seqlens):
         values = [int(x) for x in cu_seqlens.tolist()]  # one device sync: see the module docstring
     if values is not None:
-        check_boundaries(values, seq_len, multiple, layout)
+        check_boundaries(values, seq_len, multiple, layout, arg)
         longest = max(b - a for a, b in zip(values, values[1:]))
         if max_seqlen is not None and max_seqlen < longest:
             raise ValueError(f"max_seqlen={max_seqlen} is below the longest document of "
@@ -157,12 +159,14 @@ def within_document(positions: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
 
 
 def document_multiple(schedule: str, world_size: int) -> int:
-    """What every packed document's length must be a multiple of for ``schedule`` on
-    ``world_size`` ranks: 2W (zigzag, llama3, auto), W (stripe), 1 (ring)."""
+    """A multiple for every packed document's length (``pad_documents``' ``multiple``) that makes
+    a row ``schedule`` takes on ``world_size`` ranks: 2W (zigzag, llama3, auto), W (stripe, ring).
+    The layout's own rule is the first factor; the row must also split into W equal parts, which
+    ``ring`` (any document lengths) needs of the row alone: documents padded to W give that."""
     from .schedules import get_schedule  # noqa: PLC0415 - schedules import the layouts
 
     check_int(world_size, "world_size", 1, "a positive int")
-    return get_schedule(schedule).layout.document_multiple(world_size)
+    return math.lcm(get_schedule(schedule).layout.document_multiple(world_size), world_size)
 
 
 class PaddedDocuments(NamedTuple):
@@ -177,7 +181,7 @@ def pad_documents(input_ids: torch.Tensor, cu_seqlens, *, multiple: int, labels=
     """Pad every packed document to a length that is a multiple of ``multiple``.
 
     ``multiple``: ``dr.document_multiple(schedule, world_size)`` (2W for zigzag and llama3, W for
-    stripe, 1 for ring). Each document gets ``pad_id`` tokens at its end, labels ``-100`` there
+    stripe and ring). Each document gets ``pad_id`` tokens at its end, labels ``-100`` there
     (ignored by the loss), and positions that continue its own (``0 .. padded length - 1``).
     ``input_ids`` (and ``labels``) hold the packed row along ``dim`` (any leading batch dims, the
     same boundaries for every row). Returns the padded ids, labels (None if not given), the

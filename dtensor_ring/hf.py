@@ -30,11 +30,14 @@ Outputs (``logits``) hold this rank's tokens in the layout's order (``dr.unshard
 ``dim=1`` and ``layout=dr.SCHEDULE_LAYOUT[schedule]`` gives the natural order back).
 
 Packed batches (``DataCollatorWithFlattening``: one row, ``position_ids`` restarting at 0 at each
-document): the style finds the documents in the position ids and attention stays within each
+document): the style finds the documents in the position ids, or in the collator's
+``cu_seq_lens_q``/``cu_seq_lens_k`` (``return_flash_attn_kwargs=True``, so ``model(**batch)`` works
+as is; ``max_length_q``/``_k`` are dropped), and attention stays within each
 (``dtensor/packed.py``); each document's length must be a multiple of the layout's
-(``dr.pad_documents`` pads them). The labels are shifted over the whole row, as the model does on
-one device: the collator's -100 at each document's first token keeps a document's last token
-from predicting the next document.
+(``dr.pad_documents`` pads them). ``parallelize_module`` with the plain ``ContextParallel`` refuses
+a transformers model and names this module: it would shift the labels inside each shard. The labels
+are shifted over the whole row, as the model does on one device: the collator's -100 at each
+document's first token keeps a document's last token from predicting the next document.
 
 Sliding windows: transformers hands each attention call its layer's window (``sliding_window``,
 the keyword its flash-attention path reads: Mistral's ``config.sliding_window`` on every layer,
@@ -65,11 +68,12 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from .attention import ring_attention
+from .documents import IGNORE_INDEX
 from .dtensor.style import ContextParallel
+from .loss import items_per_rank
 
 NAME = "dtensor_ring"  # the attention implementation's name in transformers' registry
 SETTINGS = "dtensor_ring_settings"  # the keyword that carries them down to the attention calls
-IGNORE = -100
 
 
 class _Settings(NamedTuple):
@@ -112,6 +116,8 @@ class _CausalLMContextParallel(ContextParallel):
     """``ContextParallel`` for a transformers causal LM: before sharding, check the call, shift the
     labels over the whole sequence and count them; after, add the attention settings."""
 
+    _takes_transformers = True
+
     def _shard_inputs(self, names, args, kwargs, mesh, fill):
         named = dict(zip(names, args))
         named.update(kwargs)
@@ -147,17 +153,14 @@ def _check_call(named) -> None:
 def _global_labels(named, world):
     """Shift ``labels`` over the whole sequence into ``shift_labels`` (unless the caller gave
     them) and return ``num_items_in_batch`` / ``world`` (None without labels)."""
-    ignore = named.get("ignore_index", IGNORE)
+    ignore = named.get("ignore_index", IGNORE_INDEX)
     labels = named.get("labels")
     if labels is not None and named.get("shift_labels") is None:
         named["shift_labels"] = F.pad(labels[..., 1:], (0, 1), value=ignore)
     shifted = named.get("shift_labels")
     if shifted is None:
         return None
-    count = named.pop("num_items_in_batch", None)
-    if count is None:
-        count = (shifted != ignore).sum()
-    return torch.as_tensor(count, dtype=torch.float32, device=shifted.device) / world
+    return items_per_rank(shifted, world, named.pop("num_items_in_batch", None), ignore)
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,

@@ -2,10 +2,10 @@
 
 ``ring_attention`` (and the DTensor rule) put one node per attention into the graph,
 ``dtensor_ring::ring_attention_fwd`` or ``_bwd``. This pass replaces it with the schedule itself:
-the same schedule code that runs eagerly, traced with ``make_fx`` over ``FunctionalComm``, so its
-exchanges become ``_c10d_functional`` collectives and ``wait_tensor``s, its blocks the kernel's aten
-ops, and its fp32 merges plain elementwise ops that inductor fuses. Each exchange is posted before
-the compute of the step it overlaps and waited on after it, as in eager.
+the same schedule code that runs eagerly, traced with ``make_fx`` over ``TracedComm``, so its
+exchanges become post/wait op pairs around the eager exchanges (``traced_comm.py``), its blocks
+the kernel's aten ops, and its fp32 merges plain elementwise ops that inductor fuses. Each
+exchange is posted before the compute of the step it overlaps and waited on after it, as in eager.
 
 Before (forward, zigzag, W = 4, rank 0):
 
@@ -14,20 +14,19 @@ Before (forward, zigzag, W = 4, rank 0):
 
 After (abridged; ``tests/test_ring_expand.py`` pins the full sequence):
 
-    a2a_k = _c10d_functional.all_to_all_single(k, [0,0,0,1], [0,1,0,0], '0')    # K/V for step 1
-    a2a_v = _c10d_functional.all_to_all_single(v, [0,0,0,1], [0,1,0,0], '0')
+    kv_1 = dtensor_ring.post_exchange([k, v], None, 'send_recv_next', '0')    # K/V for step 1
     attn = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)  # step 0 block
     ... fp32 accumulator init (a copy of the block) ...
-    k_1 = _c10d_functional.wait_tensor(a2a_k);  v_1 = ...wait_tensor(a2a_v)
-    a2a_k_1 = _c10d_functional.all_to_all_single(k_1, ...)                       # K/V for step 2
-    ...
+    k_1, v_1 = dtensor_ring.wait_exchange(kv_1, [k, v], 'send_recv_next', 4)
+    kv_2 = dtensor_ring.post_exchange([k_1, v_1], kv_1, 'send_recv_next', '0')  # step 2's
     attn_1 = ...(q[S/2:], k_1, v_1, 0.0, False)                                  # step 1 block
     ... fp32 merge ... (and so on for steps 2 and 3)
 
 A call with a sliding window (two ints of the node: a constant, so layers with the same window
 share a graph) expands into the windowed exchange (``schedules/windowed.py``): per offset within
-reach one ``all_to_all_single`` per tensor, flattened, one non-zero split each way; offsets no
-query reaches have no collective at all (``tests/test_ring_expand.py`` pins which).
+reach one ``send_recv`` post/wait pair (the K/V rows within reach straight to and from the ranks
+at that offset); offsets no query reaches have no exchange at all (``tests/test_ring_expand.py``
+pins which).
 
 The rank and world size come from the process group named in the node, so the result is specific to
 this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph cache never hands one
@@ -38,11 +37,15 @@ handed the 4-GPU expansion to the 2-GPU run). It also includes the DTensor rule'
 sequence schedules: the graph Dynamo hands over is the same whatever schedule the rule then
 traces (it reads the registry below Dynamo), so without them the caches (AOTAutograd's and the
 FX graph cache, in memory and on disk) would hand a graph traced under one schedule to a run
-under another.
+under another. And it includes a hash of the package's source (``source_key``): the on-disk cache
+outlives the process, and handed a run of one version of the code the expansion another version
+had traced (seen on an H100: a checkout of an older commit ran a newer commit's cached graph).
 """
 import collections
+import functools
 import hashlib
 import operator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,7 +55,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.distributed.distributed_c10d import _resolve_process_group, _world
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dtensor_ring.comm import FunctionalComm
+import dtensor_ring
+from dtensor_ring.traced_comm import TracedComm
 from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.ops import schedule_call
 
@@ -60,35 +64,37 @@ VERSION = "ring_expand-2"
 COUNTERS: collections.Counter = collections.Counter()
 
 
-def _schedule_fn(node):
+def _schedule_fn(node, after):
     """The schedule call this node stands for, as a function of its tensor arguments (with
-    packed documents, their boundaries are the last tensor: a graph input, not a constant)."""
+    packed documents, their boundaries follow: a graph input, not a constant; then ``after``, the
+    last ring shift's handle before it, if any). It returns the schedule's results and the handle
+    of its own last ring shift (or ``after``; None if neither)."""
     forward = node.target is torch.ops.dtensor_ring.ring_attention_fwd.default
     n_tensors = 3 if forward else 6
     tensors, options = list(node.args[:n_tensors]), node.args[n_tensors:]
     (group_name, schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen,
      window_left, window_right) = options
     group = _resolve_process_group(group_name)
-    comm = FunctionalComm(group_name, dist.get_rank(group), dist.get_world_size(group))
     q = tensors[0 if forward else 1].meta["val"]
     has_docs = cu_seqlens is not None
-    if has_docs:
-        tensors.append(cu_seqlens)
+    tensors += ([cu_seqlens] if has_docs else []) + ([after] if after is not None else [])
 
     def call(*args):
         args = list(args)
+        token = args.pop() if after is not None else None
         cu = args.pop() if has_docs else None
+        comm = TracedComm(group_name, dist.get_rank(group), dist.get_world_size(group), token)
         sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen,
                                       window_left, window_right)
         run = sched.forward if forward else sched.backward
-        return run(comm, *args, is_causal=is_causal, scale=scale, **kwargs)
+        results = run(comm, *args, is_causal=is_causal, scale=scale, **kwargs)
+        return (*results, *([comm.last] if comm.last is not None else []))
 
     return tensors, call
 
 
-def _inline(graph, node, sub):
-    """Copy ``sub``'s nodes in front of ``node``, its placeholders bound to ``node``'s tensors."""
-    tensors, _ = _schedule_fn(node)
+def _inline(graph, node, sub, tensors):
+    """Copy ``sub``'s nodes in front of ``node``, its placeholders bound to ``tensors``."""
     env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], tensors))
     with graph.inserting_before(node):
         for n in sub.graph.nodes:
@@ -102,20 +108,24 @@ def _inline(graph, node, sub):
     raise AssertionError("traced schedule has no output")
 
 
-def _expand(graph, node) -> None:
-    tensors, fn = _schedule_fn(node)
+def _expand(graph, node, after):
+    """Expand ``node``; returns the handle of the last ring shift posted so far in the graph on
+    its process group (``after`` if it posts none)."""
+    tensors, fn = _schedule_fn(node, after)
     example = [t.meta["val"] for t in tensors]
     with detect_fake_mode(example) or torch._subclasses.FakeTensorMode():
         # Inductor's own decompositions: a post-grad graph may only hold ops inductor lowers.
         sub = make_fx(torch.func.functionalize(fn), select_decomp_table())(*example)
     sub.graph.eliminate_dead_code()  # views the functionalised merges left unused
-    results = _inline(graph, node, sub)
+    results = _inline(graph, node, sub, tensors)
     for user in list(node.users):
         if user.target is not operator.getitem:
             raise RuntimeError(f"ring_expand: unexpected user {user.format_node()} of {node}")
         user.replace_all_uses_with(results[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
+    n_results = 2 if node.target is torch.ops.dtensor_ring.ring_attention_fwd.default else 3
+    return results[n_results] if len(results) > n_results else after
 
 
 def expand_ring_attention(graph: torch.fx.Graph) -> int:
@@ -127,8 +137,10 @@ def expand_ring_attention(graph: torch.fx.Graph) -> int:
         COUNTERS["graphs_without_ring_attention"] += 1  # nothing of ours here: leave it untouched
         return 0
     backward_graph = any(n.target is targets[1] for n in nodes)
+    last_shift = {}  # process group -> the handle of the last ring shift posted on it, in order
     for node in nodes:
-        _expand(graph, node)
+        group = node.args[3 if node.target is targets[0] else 6]
+        last_shift[group] = _expand(graph, node, last_shift.get(group))
         COUNTERS[f"expanded_{node.target.overloadpacket.__name__}"] += 1
         if backward_graph and node.target is targets[0]:
             # A ring forward in a backward graph: activation checkpointing's recompute, which
@@ -146,7 +158,22 @@ class RingExpandPass(CustomGraphPass):
 
     def uuid(self):
         rank = dist.get_rank() if dist.is_initialized() else -1
-        return f"{VERSION}-rank{rank}-{process_groups_key()}-{sequence_schedules_key()}"
+        return (f"{VERSION}-rank{rank}-{process_groups_key()}-{sequence_schedules_key()}-"
+                f"{source_key()}")
+
+
+@functools.cache
+def source_key(roots=None) -> str:
+    """A hash of every Python file under ``roots`` (default: the runtime package and these
+    passes): what the expansion traces, so a change to any of it is a new cache key."""
+    if roots is None:
+        roots = (Path(dtensor_ring.__file__).parent, Path(__file__).parent)
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def process_groups_key() -> str:

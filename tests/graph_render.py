@@ -1,7 +1,7 @@
 """A compact, stable rendering of a ring-expanded FX graph for expect tests.
 
-One line per collective, wait and attention kernel, in graph order, with tensor shapes; the
-elementwise and view ops between them (merges, slicing, casts) fold into one "(N ops)" line, so the
+One line per exchange posted (its kind and the shapes sent), wait (the shapes received) and
+attention kernel, in graph order, with tensor shapes; the elementwise and view ops between them (merges, slicing, casts) fold into one "(N ops)" line, so the
 expectation pins what matters -- which exchange is posted before which block -- and not node names.
 """
 import torch
@@ -9,13 +9,17 @@ import torch
 
 def _shape(node):
     val = node.meta.get("val") if hasattr(node, "meta") else None
-    return "x".join(map(str, val.shape)) if isinstance(val, torch.Tensor) else "?"
+    return _shape_of(val) if isinstance(val, torch.Tensor) else "?"
+
+
+def _shape_of(val):
+    return "x".join(map(str, val.shape))
 
 
 def _kind(node):
     name = str(node.target)
-    if "_c10d_functional" in name:
-        return "wait" if "wait_tensor" in name else "comm"
+    if "_exchange" in name:
+        return "wait" if "wait_" in name else "comm"
     if "scaled_dot_product" in name or "flash" in name or "attention" in name:
         return "attn"
     return None
@@ -34,14 +38,15 @@ def render(graph: torch.fx.Graph) -> str:
             lines.append(f"  ({folded} ops)")
             folded = 0
         op = node.target.__name__.split(".")[0]
-        tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
-        shapes = ", ".join(_shape(a) for a in tensors)
-        extra = [a for a in node.args if isinstance(a, (list, bool))]
-        if kind == "comm":
-            lines.append(f"{op}({shapes}{''.join(f', {e}' for e in extra)})")
-        elif kind == "wait":
-            lines.append(f"wait({shapes})")
+        if kind == "comm":  # post_exchange(tensors, after, kind, group): the kind, shapes sent
+            sent = ", ".join(_shape(a) for a in node.args[0])
+            offset = node.args[4] if len(node.args) > 4 else node.kwargs.get("offset", 0)
+            # send_recv (sliding windows): to rank + offset, from rank - offset
+            lines.append(f"{node.args[2]}({sent}{f', offset {offset}' if offset else ''})")
+        elif kind == "wait":  # wait_exchange(...) -> the tensors received
+            lines.append(f"wait({', '.join(_shape_of(v) for v in node.meta['val'])})")
         else:
+            shapes = ", ".join(_shape(a) for a in node.args if isinstance(a, torch.fx.Node))
             causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
             mask = node.kwargs.get("attn_mask")
             tag = "causal" if causal is True else "mask" if mask is not None else "full"

@@ -3,8 +3,10 @@ rotary embeddings computed inside each attention module from ``position_ids``, p
 blocks with a GELU MLP and ``F.scaled_dot_product_attention(..., is_causal=True)`` -- the shape of
 a model a user brings, unlike ``dtensor_ring.models.Llama``.
 
-``forward(input_ids, position_ids=None, labels=None)`` returns ``(logits, loss)``; ``loss`` is the
-mean cross-entropy over this call's tokens (labels already shifted), None without labels.
+``forward(input_ids, position_ids=None, labels=None, num_items_in_batch=None)`` returns
+``(logits, loss)``; ``loss`` is the cross-entropy summed over this call's counted tokens (labels
+already shifted, -100 ignored) / ``num_items_in_batch`` (default: their count, the mean), None
+without labels -- the convention of transformers' models, which ``ContextParallel`` fills in.
 """
 import torch
 import torch.nn.functional as F
@@ -56,7 +58,7 @@ class RopeTransformer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, input_ids, position_ids=None, labels=None):
+    def forward(self, input_ids, position_ids=None, labels=None, num_items_in_batch=None):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
                 input_ids)
@@ -64,6 +66,8 @@ class RopeTransformer(nn.Module):
         for block in self.blocks:
             h = block(h, position_ids)
         logits = self.head(self.norm(h))
-        loss = None if labels is None else F.cross_entropy(logits.flatten(0, 1).float(),
-                                                           labels.flatten())
-        return logits, loss
+        if labels is None:
+            return logits, None
+        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        return logits, total / ((labels != -100).sum() if num_items_in_batch is None
+                                else num_items_in_batch)

@@ -5,8 +5,8 @@ sequence-sharded DTensors (the rule), with ``torch.utils.checkpoint`` non-reentr
 ``dr.save_ring_attention_context``; eagerly and under ``torch.compile`` (whole model, checkpointed
 blocks inside the compiled region).
 
-Every variant's loss and gradients must match the float64 model on one process within the fp32
-bound of ``test_context_parallel.py`` (rel-RMS <= 1e-5: the fp32 model on one process is ~1e-7 from
+Every variant's loss and gradients (labels with -100 runs spread unevenly over the ranks) must
+match the float64 model on one process within the fp32 bound of ``test_context_parallel.py`` (rel-RMS <= 1e-5: the fp32 model on one process is ~1e-7 from
 float64, a model on local RoPE positions ~1e-2), and the un-checkpointed context-parallel model
 within 1e-6 (the recompute repeats the forward's arithmetic). The recompute's ring traffic is
 counted: eagerly by ``dtensor_ring.comm.TRAFFIC`` (the exchanges the ring posts), compiled by the
@@ -84,8 +84,13 @@ def _checkpoint_blocks(model, wrap):
 
 
 def _batch(vocab, seed=1):
+    """Random tokens and labels, with -100 runs (a masked prompt, a masked span) that fall
+    unevenly on the ranks: the loss is the whole batch's mean only if normalised globally."""
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randint(0, vocab, (2, SEQ), generator=gen) for _ in range(2))
+    ids, labels = (torch.randint(0, vocab, (2, SEQ), generator=gen) for _ in range(2))
+    labels[0, :13] = -100
+    labels[1, 40:52] = -100
+    return ids, labels
 
 
 def _loss(output):

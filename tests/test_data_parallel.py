@@ -4,12 +4,17 @@ flattened dp x cp mesh, per block and at the root) or DDP, eagerly and with each
 (inductor) and checkpointed selectively (``dr.save_ring_attention_context``).
 
 Each dp group trains on its own half of the global batch and each cp rank holds its own tokens of
-it, so each rank's loss is the mean over its tokens and the whole batch's is the mean over the four
-ranks; averaging gradients over dp x cp gives the whole batch's. Reference: the model on one
-process on the global batch, in float64; tolerance as in ``test_context_parallel.py``, rel-RMS
-<= 1e-5 for the loss and every parameter's gradient (fp32 on one process is ~1e-7 from float64).
-A realistic mistake must miss it by 100x: DDP over the dp dimension only (the gradients are then
-the cp rank's own tokens'). ``sync_gradients`` (buckets of fp32 gradients, one all-reduce each)
+it. The labels hold -100 runs that give the four ranks different counts of valid labels, so the
+loss is the mean over the whole global batch's valid labels only if every rank divides its sum by
+that count / 4 (torchtitan's normalisation): the models are given ``num_items_in_batch`` = the
+global count / dp (what one would pass to DDP without context parallelism; ``ContextParallel``
+divides it by cp), or the loss is computed outside the model with ``dr.global_mean_loss`` over the
+dp x cp mesh. Averaging gradients over dp x cp then gives the whole batch's. Reference: the model
+on one process on the global batch, in float64; tolerance as in ``test_context_parallel.py``,
+rel-RMS <= 1e-5 for the loss and every parameter's gradient (fp32 on one process is ~1e-7 from
+float64). Realistic mistakes must miss it by 100x: DDP over the dp dimension only (the gradients
+are then the cp rank's own tokens'), and each rank's loss the mean over its own valid labels.
+``sync_gradients`` (buckets of fp32 gradients, one all-reduce each)
 gives the same averaged gradients over cp as a single ``all_reduce`` per parameter. The test
 model is ``tests/rope_model.py`` (written for the tests, not by the package) and the repository's
 Llama. A rank with another schedule on the cp dimension raises a ValueError naming group and
@@ -19,6 +24,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -46,11 +52,37 @@ def _seeded(make):
 def _global_batch(vocab, dp):
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, vocab, (dp * BATCH, SEQ), generator=gen)
-    return ids, torch.randint(0, vocab, (dp * BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, vocab, (dp * BATCH, SEQ), generator=gen)
+    labels[0, :11] = -100   # a masked prompt, mostly on cp rank 0 (zigzag and stripe alike)
+    labels[1, 20:32] = -100  # a masked tail
+    labels[-1, 5:9] = -100  # the other dp group: fewer
+    return ids, labels
 
 
 def _loss(output):
     return output.loss if hasattr(output, "loss") else output[1]
+
+
+def _logits(output):
+    return output.logits if hasattr(output, "logits") else output[0]
+
+
+def _rank_loss(how, mesh, dp_cp, schedule, count):
+    """``rank_loss(model, ids, labels)``: this rank's loss on its dp group's batch, normalised
+    as ``how`` says: "model" (the model's own loss, given the global batch's ``count`` / dp as
+    DDP without context parallelism would be), "global_mean_loss" (``dr.global_mean_loss`` over
+    dp x cp on the local logits) or "per-rank mean" (the mistake: the mean over this rank's own
+    valid labels)."""
+    def rank_loss(model, ids, labels):
+        if how == "model":
+            return _loss(model(ids, labels=labels, num_items_in_batch=count / mesh.size(0)))
+        logits = _logits(model(ids))
+        mine = dr.shard_sequence(labels, mesh["cp"], dim=1, layout=dr.SCHEDULE_LAYOUT[schedule])
+        total = F.cross_entropy(logits.flatten(0, 1).float(), mine.flatten(), reduction="sum")
+        if how == "global_mean_loss":
+            return dr.global_mean_loss(total, (mine != -100).sum(), dp_cp)
+        return total / (mine != -100).sum()
+    return rank_loss
 
 
 def _blocks(model):
@@ -64,10 +96,10 @@ def _reference(base, ids, labels):
     return loss.detach(), {n: p.grad.detach() for n, p in model.named_parameters()}
 
 
-def _step(model, ids, labels, world_group):
+def _step(model, ids, labels, world_group, rank_loss):
     """One forward/backward on this dp group's batch; the global loss (mean over all ranks) and
     every parameter's full gradient, by name."""
-    loss = _loss(model(ids, labels=labels))
+    loss = rank_loss(model, ids, labels)
     loss.backward()
     total = loss.detach().double().clone()
     dist.all_reduce(total, group=world_group)
@@ -100,7 +132,8 @@ def _prepare(base, mesh, dp_cp, schedule, how, compiled):
     return DDP(model, process_group=group)
 
 
-def _case(mesh, dp_cp, failures, where, make, schedule, how, compiled=False, wrong=False):
+def _case(mesh, dp_cp, failures, where, make, schedule, how, compiled=False, wrong=False,
+          loss="model"):
     base = _seeded(make)
     vocab = base.cfg.vocab_size if isinstance(base, Llama) else base.vocab
     ids, labels = _global_batch(vocab, mesh.size(0))
@@ -108,7 +141,8 @@ def _case(mesh, dp_cp, failures, where, make, schedule, how, compiled=False, wro
     names = list(ref_grads)
     mine = slice(mesh.get_local_rank("dp") * BATCH, (mesh.get_local_rank("dp") + 1) * BATCH)
     model = _prepare(base, mesh, dp_cp, schedule, how, compiled)
-    loss, grads = _step(model, ids[mine], labels[mine], dist.group.WORLD)
+    rank_loss = _rank_loss(loss, mesh, dp_cp, schedule, (labels != -100).sum())
+    loss, grads = _step(model, ids[mine], labels[mine], dist.group.WORLD, rank_loss)
     per_param = {n: rel_rms(grads[n], ref_grads[n]) for n in names}
     worst = max(per_param, key=per_param.get)
     error = max(rel_rms(loss, ref_loss), per_param[worst])
@@ -163,12 +197,15 @@ def _four_ranks(mesh):
     where = f"rank {rank} (dp {mesh.get_local_rank('dp')}, cp {mesh.get_local_rank('cp')})"
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp")  # FSDP2 and DDP average over all four ranks
     rope, llama = RopeTransformer, lambda: Llama(LlamaConfig())
-    cases = [("fsdp2", rope, "zigzag"), ("fsdp2", llama, "llama3"), ("ddp", rope, "stripe")]
-    for how, make, schedule in cases:
-        _case(mesh, dp_cp, failures, f"{where} {how} {make.__name__} {schedule}", make,
-              schedule, how)
+    cases = [("fsdp2", rope, "zigzag", "model"), ("fsdp2", llama, "llama3", "global_mean_loss"),
+             ("ddp", rope, "stripe", "model")]
+    for how, make, schedule, loss in cases:
+        _case(mesh, dp_cp, failures, f"{where} {how} {make.__name__} {schedule} {loss}", make,
+              schedule, how, loss=loss)
     _case(mesh, dp_cp, failures, f"{where} DDP over dp only", rope, "zigzag", "ddp over dp only",
           wrong=True)
+    _case(mesh, dp_cp, failures, f"{where} per-rank mean", llama, "zigzag", "fsdp2", wrong=True,
+          loss="per-rank mean")
     _sync_gradients(mesh, failures, where)
     _schedules_differ(mesh, failures, where)
     # Compiled per block, checkpointed selectively: the same block graph for FSDP2 and DDP.

@@ -6,9 +6,12 @@ back to back, ``position_ids`` restarting at 0 at each document (or, for ``Conte
 explicit ``cu_seqlens=`` keyword instead). The one-process reference runs the unsharded model with
 each SDPA call masked block-diagonally (attention within each document, causal), in float64 for
 the tolerance and in fp32 as the model itself. Tolerance (as in test_context_parallel.py): fp32
-rel-RMS <= 1e-5 for the loss and every parameter's gradient. Wrong answers must miss it by 100x:
-the style told to ignore documents (``documents=False``: attention across documents). Under
-``torch.compile`` a new batch with other boundaries must not recompile (Dynamo's counters).
+rel-RMS <= 1e-5 for the loss and every parameter's gradient. The labels hold -100 runs (a masked
+prompt, a masked span) that fall unevenly on the ranks in every layout, so the loss must be the
+mean over the whole batch's valid labels, not a mean of per-rank means. Wrong answers must miss the
+tolerance by 100x: the style told to ignore documents (``documents=False``: attention across
+documents), and the same model with a per-rank mean (a forward without ``num_items_in_batch``).
+Under ``torch.compile`` a new batch with other boundaries must not recompile (Dynamo's counters).
 Every rank asserts.
 """
 import copy
@@ -58,7 +61,18 @@ def _positions(cu):
 def _batch(seed, vocab):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, SEQ), generator=gen)
-    return ids, torch.randint(0, vocab, (1, SEQ), generator=gen)
+    labels = torch.randint(0, vocab, (1, SEQ), generator=gen)
+    labels[:, :24] = -100    # a masked prompt: its tokens sit on some ranks more than others
+    labels[:, 90:97] = -100  # a masked span in the middle
+    return ids, labels
+
+
+class PerRankMean(Llama):
+    """The Llama with the loss a model gets without ``num_items_in_batch``: each rank's mean over
+    its own valid labels (the mistake the test data must catch)."""
+
+    def forward(self, input_ids, position_ids=None, labels=None):
+        return super().forward(input_ids, position_ids, labels)
 
 
 def _grads(model):
@@ -115,6 +129,13 @@ def _style(mesh, failures, label):
                            reference)
             if not wrong > WRONG_FACTOR * FP32_LIMIT:
                 failures.append(f"{where}: attention across documents passed ({wrong:.2e})")
+            per_rank = PerRankMean(base.cfg)
+            per_rank.load_state_dict(base.state_dict())
+            per_rank = parallelize_module(per_rank, mesh, dr.ContextParallel(schedule))
+            wrong = _error(_sharded(per_rank, mesh, ids, labels, cu_seqlens=torch.tensor(cu)),
+                           reference)
+            if not wrong > WRONG_FACTOR * FP32_LIMIT:
+                failures.append(f"{where}: a mean of per-rank means passed ({wrong:.2e})")
 
 
 def _compiled(mesh, failures, label):
@@ -150,10 +171,58 @@ def _compiled(mesh, failures, label):
                         "boundaries")
 
 
+def _padded(mesh, failures, label):
+    """Documents of any lengths (37, 70, 21), padded by ``dr.pad_documents`` to
+    ``dr.document_multiple(schedule, W)`` with -100 labels on the padding: a row every schedule
+    takes (ring's too: the row must split into W parts), equal to the one-process model."""
+    torch.manual_seed(0)
+    base = Llama(LlamaConfig())
+    cu = torch.tensor([0, 37, 107, 128])
+    ids, labels = _batch(4, base.cfg.vocab_size)
+    for schedule in sorted(dr.SCHEDULES):
+        batch = dr.pad_documents(ids, cu, labels=labels,
+                                 multiple=dr.document_multiple(schedule, mesh.size()))
+        padded_cu = batch.cu_seqlens.tolist()
+        reference = _single(copy.deepcopy(base).double(), padded_cu, batch.input_ids,
+                            batch.labels)
+        model = parallelize_module(copy.deepcopy(base), mesh, dr.ContextParallel(schedule))
+        result = _sharded(model, mesh, batch.input_ids, batch.labels,
+                          cu_seqlens=batch.cu_seqlens)
+        if not _error(result, reference) <= FP32_LIMIT:
+            failures.append(f"{label} {schedule} padded documents {padded_cu}: "
+                            f"{_error(result, reference):.2e}")
+
+
+def _mid_document(mesh, failures, label):
+    """Position ids that do not start at 0 -- a row that starts inside a document (100, 101,
+    ...), then documents restarting at 0 -- split where the positions jump, as transformers
+    splits them; the positions are the model's as given. A row counting up by one from 100
+    throughout is one document: plain causal attention at those positions."""
+    torch.manual_seed(0)
+    base = Llama(LlamaConfig())
+    ids, labels = _batch(5, base.cfg.vocab_size)
+    cu = BOUNDARIES[0]
+    jumping = _positions(cu)
+    jumping[0, :cu[1]] += 100
+    for positions, documents in ((jumping, cu), (torch.arange(100, 100 + SEQ)[None], [0, SEQ])):
+        single = copy.deepcopy(base).double()
+        with BlockDiagonalSdpa(documents):
+            loss = single(ids, position_ids=positions, labels=labels).loss
+        loss.backward()
+        reference = loss.detach(), _grads(single)
+        model = parallelize_module(copy.deepcopy(base), mesh, dr.ContextParallel("zigzag"))
+        result = _sharded(model, mesh, ids, labels, position_ids=positions)
+        if not _error(result, reference) <= FP32_LIMIT:
+            failures.append(f"{label} position_ids from {positions[0, :3].tolist()}, "
+                            f"documents {documents}: {_error(result, reference):.2e}")
+
+
 def _four_ranks(mesh):
     failures = []
     label = f"rank {mesh.get_local_rank()}/{mesh.size()}"
     _style(mesh, failures, label)
+    _padded(mesh, failures, label)
+    _mid_document(mesh, failures, label)
     _compiled(mesh, failures, label)
     assert not failures, "\n".join(failures)
 
@@ -165,9 +234,16 @@ def test_context_parallel_trains_on_packed_documents():
 def _style_errors(mesh):
     model = parallelize_module(Llama(LlamaConfig()), mesh, dr.ContextParallel("zigzag"))
     ids, labels = _batch(0, 512)
-    cases = [
-        (dict(position_ids=_positions([0, 10, 128])), r"document 0 of cu_seqlens has length 10, "
-         r"which layout 'zigzag' cannot split: every document's length must be a multiple of 4"),
+    too_short = r"has length 10, which layout 'zigzag' cannot split: every document's length " + (
+        r"must be a multiple of 4; pad the documents with dr.pad_documents")
+    cases = [  # each error names the argument the documents came from
+        (dict(position_ids=_positions([0, 10, 128])), r"document 0 of position_ids " + too_short),
+        (dict(cu_seqlens=torch.tensor([0, 10, 128])), r"document 0 of cu_seqlens " + too_short),
+        (dict(cu_seq_lens_q=torch.tensor([0, 10, 128]), cu_seq_lens_k=torch.tensor([0, 10, 128]),
+              max_length_q=118, max_length_k=118), r"document 0 of cu_seq_lens_q " + too_short),
+        (dict(cu_seq_lens_q=torch.tensor([0, 64, 128]), cu_seq_lens_k=torch.tensor([0, 32, 128])),
+         r"cu_seq_lens_k differs from cu_seq_lens_q \(\[0, 32, 128\] vs \[0, 64, 128\]\); "
+         r"context parallelism runs self-attention"),
         (dict(position_ids=torch.cat([_positions([0, 64, 128]), _positions([0, 32, 128])])),
          r"position_ids of batch row 1 pack documents differently from row 0"),
         (dict(cu_seqlens=torch.tensor([0, 64, 120])), r"must end at the sequence length 128"),

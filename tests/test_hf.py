@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,14 +87,17 @@ def _single(base, ids, labels):
     return loss.detach().double(), _grads(model)
 
 
-def _context_parallel(model, mesh, **inputs):
-    """Mean of the ranks' losses, cp-averaged gradients, this rank's logits."""
+def _context_parallel(model, mesh, module=None, **inputs):
+    """Mean of the ranks' losses, cp-averaged gradients, this rank's logits; ``module``: the one
+    that holds the parameters (``model``, or what ``torch.compile`` wrapped)."""
+    module = module or model
+    module.zero_grad()
     out = model(**inputs)
     out.loss.backward()
-    dr.dtensor.sync_gradients(model, mesh)
+    dr.dtensor.sync_gradients(module, mesh)
     loss = out.loss.detach().double()
     dist.all_reduce(loss, group=mesh.get_group())
-    return loss / mesh.size(), _grads(model), out.logits.detach()
+    return loss / mesh.size(), _grads(module), out.logits.detach()
 
 
 def _worst(result, reference):
@@ -239,27 +243,37 @@ def _call_errors(mesh, mesh2d, failures):
                  "mesh=", "1-D DeviceMesh")
     expect_error(failures, "process group", ValueError,
                  lambda: hf.apply(_model(), mesh.get_group()), "mesh=", "1-D DeviceMesh")
+    # parallelize_module with the plain style would shift the labels inside each shard: refused,
+    # the model as it is and inside a module of the user's
+    plain = dr.ContextParallel("zigzag")
+    expect_error(failures, "plain ContextParallel", ValueError,
+                 lambda: parallelize_module(_model(), mesh, plain), "LlamaForCausalLM is a "
+                 "Hugging Face transformers model", "dtensor_ring.hf.apply(model, mesh")
+    expect_error(failures, "plain ContextParallel, wrapped", ValueError,
+                 lambda: parallelize_module(torch.nn.Sequential(_model()), mesh, plain),
+                 "Sequential holds a Hugging Face transformers model (LlamaForCausalLM)",
+                 "dtensor_ring.hf.apply")
 
 
 PACKED = [0, 32, 96, 128]  # documents of 32, 64 and 32 tokens
 
 
-def _flattened():
+def _flattened(cu=PACKED):
     """A ``DataCollatorWithFlattening``-style batch: one row of documents back to back,
     position ids restarting at 0, each document's first label -100 (its separator)."""
     gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (1, PACKED[-1]), generator=gen)
+    ids = torch.randint(0, VOCAB, (1, cu[-1]), generator=gen)
     labels = ids.clone()
-    labels[0, PACKED[:-1]] = -100
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(PACKED, PACKED[1:])])
+    labels[0, cu[:-1]] = -100
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])
     return ids, labels, positions.unsqueeze(0)
 
 
-def _per_document_reference(base, ids, labels, separate=True):
+def _per_document_reference(base, ids, labels, separate=True, cu=PACKED):
     """float64: each document through the model alone (``separate``; else the packed row as one
     sequence), the causal-LM loss over all counted tokens of the row."""
     model = copy.deepcopy(base).double()
-    spans = list(zip(PACKED, PACKED[1:])) if separate else [(0, PACKED[-1])]
+    spans = list(zip(cu, cu[1:])) if separate else [(0, cu[-1])]
     token_losses = []
     for a, b in spans:
         logits = model(input_ids=ids[:, a:b], use_cache=False).logits
@@ -290,6 +304,16 @@ def _packed(mesh, failures, label):
         if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
             failures.append(f"{label} packed {schedule}: loss {loss_err:.2e}, worst grad "
                             f"{worst} {grad_err:.2e} > {FP32_LIMIT}")
+    # The collator's own batch, with flash-attn's keywords: model(**batch) as transformers runs it.
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collator([{"input_ids": ids[0, a:b].tolist()} for a, b in zip(PACKED, PACKED[1:])])
+    if not (torch.equal(batch["labels"], labels) and "cu_seq_lens_q" in batch):
+        failures.append(f"{label}: the collator's batch is not the test's: {sorted(batch)}")
+    model = hf.apply(copy.deepcopy(base), mesh, schedule="zigzag")
+    loss_err, worst, grad_err = _worst(_context_parallel(model, mesh, **batch), reference)
+    if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
+        failures.append(f"{label} DataCollatorWithFlattening(return_flash_attn_kwargs=True): "
+                        f"loss {loss_err:.2e}, worst grad {worst} {grad_err:.2e} > {FP32_LIMIT}")
 
 
 def _sliding_windows(mesh, failures, label):
@@ -322,6 +346,39 @@ def _ranks(mesh2d):
 
 def test_hf_llama_matches_single_process():
     run_on_ranks(4, _ranks, mesh_shape=(2, 2), mesh_dim_names=("dp", "cp"))
+
+
+def _compiled_window(mesh):
+    """Under ``torch.compile`` a windowed model (Mistral, ``sliding_window=4096``, covering every
+    document) trains on flattened batches whose longest document changes within its power-of-two
+    bucket (48, 64, 60 tokens: bucket 64) with no new graph, each step within the tolerance of
+    float64 (Dynamo's count of graphs)."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    failures, label = [], f"rank {dist.get_rank()}"
+    base = _mistral(4096)
+    model = hf.apply(copy.deepcopy(base), mesh, schedule="zigzag")
+    compiled = torch.compile(model)
+    for step, cu in enumerate(([0, 48, 88, 128], [0, 64, 96, 128], [0, 36, 96, 128])):
+        ids, labels, positions = _flattened(cu)
+        if step == 1:
+            graphs_before = counters["stats"]["unique_graphs"]
+        reference = _per_document_reference(base, ids, labels, cu=cu)
+        result = _context_parallel(compiled, mesh, model, input_ids=ids, labels=labels,
+                                   position_ids=positions)
+        loss_err, worst, grad_err = _worst(result, reference)
+        if not (loss_err <= FP32_LIMIT and grad_err <= FP32_LIMIT):
+            failures.append(f"{label} compiled, documents {cu}: loss {loss_err:.2e}, worst grad "
+                            f"{worst} {grad_err:.2e} > {FP32_LIMIT}")
+    recompiles = counters["stats"]["unique_graphs"] - graphs_before
+    if recompiles:
+        failures.append(f"{label}: {recompiles} graphs compiled again for a longest document "
+                        "in the same bucket")
+    assert not failures, "\n".join(failures)
+
+
+def test_hf_windowed_model_compiled_matches_and_keeps_its_graph():
+    run_on_ranks(2, _compiled_window)
 
 
 def _mistral(sliding_window):

@@ -4,9 +4,12 @@ A packed batch says where its documents start in one of two ways:
 
 * ``cu_seqlens=[0, l1, l1+l2, ..., S]`` passed to the module (flash-attn's / TransformerEngine's
   convention), or
-* ``position_ids`` that restart at 0 at each document (Hugging Face's ``DataCollatorWithFlattening``):
-  ``[0, 1, ..., l1-1, 0, 1, ...]``, the same for every batch row. Position ids of any other form
-  (no restart, or not counting up by one from each 0) are taken as they are: no documents.
+* ``position_ids`` (Hugging Face's ``DataCollatorWithFlattening``: ``[0, 1, ..., l1-1, 0, 1, ...]``),
+  the same for every batch row. A document starts wherever the position does not count up by one
+  from the previous token's -- a restart at 0 or at any other value, or a jump -- which is the rule
+  transformers applies (``masking_utils.find_packed_sequence_indices``), so a row that starts
+  mid-document (100, 101, ...) is one document at those positions. Position ids that count up by
+  one throughout are one document: no documents (plain causal attention, positions as given).
 
 ``find_documents`` reads them on the host (``position_ids`` on a GPU: one copy to the host per
 forward, not per attention call; ``ContextParallel(documents=False)`` skips the look, e.g. for
@@ -34,46 +37,48 @@ class PackedBatch(NamedTuple):
     longest: int  # the longest document
 
 
-def _packed_row(row: torch.Tensor) -> list[int] | None:
-    """Document boundaries of one row of position ids if they are packed ones (0, 1, ..., then
-    0, 1, ... again at each document), else None (positions taken as they are)."""
-    starts = (row == 0).nonzero().flatten().tolist()
-    if len(starts) < 2 or starts[0] != 0:
-        return None
-    cu = starts + [row.shape[0]]
-    expected = torch.cat([torch.arange(b - a) for a, b in zip(cu, cu[1:])])
-    return cu if torch.equal(row, expected.to(row.dtype)) else None
+def _row_boundaries(row: torch.Tensor) -> list[int]:
+    """Document boundaries [0, ..., S] of one row of position ids: a document starts wherever the
+    position is not the previous one plus one."""
+    starts = (row[1:] != row[:-1] + 1).nonzero().flatten().add(1).tolist()
+    return [0, *starts, row.shape[0]]
 
 
-def _boundaries_from_positions(position_ids: torch.Tensor, seq_dim: int) -> list[int] | None:
-    """Document boundaries from packed position ids (the same in every batch row), or None."""
+def _boundaries_from_positions(position_ids: torch.Tensor, seq_dim: int,
+                               arg: str = "position_ids") -> list[int] | None:
+    """Document boundaries from position ids (the same in every batch row), or None if every
+    row is one run counting up by one."""
     rows = position_ids.movedim(seq_dim, -1).reshape(-1, position_ids.shape[seq_dim]).cpu()
-    packed = [_packed_row(row) for row in rows]
+    packed = [_row_boundaries(row) for row in rows]
     if any(cu != packed[0] for cu in packed):
         differing = next(i for i, cu in enumerate(packed) if cu != packed[0])
         raise ValueError(
-            f"position_ids of batch row {differing} pack documents differently from row 0 "
+            f"{arg} of batch row {differing} pack documents differently from row 0 "
             f"(boundaries {packed[differing]} vs {packed[0]}); packed documents need the same "
             "boundaries in every row: pack each row alike, or pass one row per batch")
-    return packed[0]
+    return packed[0] if len(packed[0]) > 2 else None
 
 
 def find_documents(cu_seqlens, position_ids, seq_dim: int, seq_len: int, layout: Layout,
-                   rank: int, world: int, device) -> PackedBatch | None:
-    """The documents of one batch (``cu_seqlens`` if given, else restarts of ``position_ids``;
-    None if neither says there are any), checked against ``layout``'s needs."""
+                   rank: int, world: int, device, *, cu_arg: str = "cu_seqlens",
+                   positions_arg: str = "position_ids") -> PackedBatch | None:
+    """The documents of one batch (``cu_seqlens`` if given, else the runs of ``position_ids``;
+    None if neither says there are several), checked against ``layout``'s needs; errors name
+    the argument they came from (``cu_arg`` or ``positions_arg``)."""
     if cu_seqlens is not None:
         values = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
                                    else cu_seqlens)]
+        arg = cu_arg
     elif position_ids is not None:
-        values = _boundaries_from_positions(position_ids, seq_dim)
+        values = _boundaries_from_positions(position_ids, seq_dim, positions_arg)
         if values is None:
             return None
+        arg = positions_arg
     else:
         return None
     # documents() checks the boundaries (once) against the layout's multiple
     docs = documents(values, None, seq_len, layout.document_multiple(world), layout.name,
-                     torch.device(device))
+                     torch.device(device), arg=arg)
     index = layout.positions(seq_len // world, rank, world, docs)
     longest = docs.max_len
     bucket = min(seq_len, 1 << (longest - 1).bit_length())

@@ -27,19 +27,25 @@ Applied to a module, it
    ``torch.compile`` (``_route_submodule``, ``_checkpoint_routed``).
 
 Packed documents (``packed.py``): given ``cu_seqlens`` (a keyword the module's forward need not
-have) or ``position_ids`` that restart at 0 at each document (Hugging Face's convention), the
-style shards every sequence input in the layout's per-document form, gives the module the
-positions within each document, and its SDPA attends within documents. ``documents=False`` takes
-``position_ids`` as they are and never looks for restarts.
+have) or ``position_ids`` that do not count up by one from one token to the next at each
+document's start (Hugging Face's rule), the style shards every sequence input in the layout's
+per-document form, gives the module the positions within each document (unless it was given
+``position_ids``), and its SDPA attends within documents. ``documents=False`` takes
+``position_ids`` as they are and never looks for documents.
 
-Outputs stay local (this rank's tokens, in the layout's order). Each rank's loss is the mean over
-its own tokens: with equal token counts the global loss is the mean over the ranks, and parameter
-gradients must be averaged over the mesh dimension like a data-parallel one (``sync_gradients``, or
-FSDP/DDP over the combined data x context mesh). Labels must already be aligned with the inputs
-(shifted by the caller), since a shift inside the model would cross shard boundaries.
+Outputs stay local (this rank's tokens, in the layout's order). The loss (``loss.py``): if the
+module's forward takes ``num_items_in_batch`` and the call passes ``labels``, the style passes
+(the count of ``labels`` that are not -100 over the whole batch, or the caller's
+``num_items_in_batch``) / W, so a loss that divides its sum by it has the batch's mean as its mean
+over the ranks whatever the -100 labels' spread; parameter gradients must be averaged over the
+mesh dimension like a data-parallel one (``sync_gradients``, or FSDP/DDP over the combined data x
+context mesh). Labels must already be aligned with the inputs (shifted by the caller), since a
+shift inside the model would cross shard boundaries. A transformers model is refused: it shifts
+its labels inside, and ``dtensor_ring.hf.apply`` handles it.
 """
 import functools
 import inspect
+import sys
 import warnings
 
 import torch
@@ -56,6 +62,7 @@ from torch.overrides import TorchFunctionMode
 from ..attention import ring_attention
 from ..layouts import get_layout
 from ..layouts.windows import check_window
+from ..loss import items_per_rank
 from ..schedules import get_schedule
 from ..sharding import sequence_positions, shard_sequence
 from ..validation import check_int
@@ -64,6 +71,13 @@ from .placements import SEQ
 from .registry import set_sequence_schedule
 
 MASK_ARGS = ("attention_mask", "attn_mask", "mask")
+# Packed documents' boundaries, by the names callers give them: flash-attn's, and the keywords of
+# Hugging Face's DataCollatorWithFlattening(return_flash_attn_kwargs=True) with the longest
+# document's length (the style finds that itself). Given to the module only if it names them.
+BOUNDARY_ARGS = ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
+LENGTH_ARGS = ("max_length_q", "max_length_k")
+# Tensor arguments that describe the batch rather than hold one value per token: never sharded.
+NOT_SEQUENCES = (*BOUNDARY_ARGS, "num_items_in_batch")
 
 
 class _SequenceSdpa(TorchFunctionMode):
@@ -178,6 +192,26 @@ def _may_run_sdpa(module: nn.Module) -> bool:
             or isinstance(module, _TORCH_MODULES_TO_ROUTE))
 
 
+def _refuse_transformers(module: nn.Module) -> None:
+    """A Hugging Face transformers model needs ``dtensor_ring.hf.apply``: plain ``ContextParallel``
+    would let it shift its labels inside each rank's shard and average per-rank means. Such a
+    model is an instance of transformers' ``PreTrainedModel``, so transformers' modeling module
+    is loaded whenever one exists: it is looked up, never imported."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return
+    found = next((m for m in module.modules() if isinstance(m, modeling.PreTrainedModel)), None)
+    if found is not None:
+        what = ("is a Hugging Face transformers model" if found is module else
+                f"holds a Hugging Face transformers model ({type(found).__name__})")
+        raise ValueError(
+            f"{type(module).__name__} {what}, which plain "
+            "ContextParallel would train wrongly (labels shifted inside each rank's shard, the "
+            "ranks' losses weighted by their own label counts); use "
+            "dtensor_ring.hf.apply(model, mesh, schedule=...) on the transformers causal LM "
+            "instead of parallelize_module(model, mesh, ContextParallel(...))")
+
+
 class ContextParallel(ParallelStyle):
     """Shard a module's sequence inputs in ``schedule``'s layout and run its SDPA as that schedule.
 
@@ -185,11 +219,13 @@ class ContextParallel(ParallelStyle):
     (1 for [batch, seq] token ids); ``precision``/``backend``: as in ``dr.ring_attention``;
     ``seq_inputs``: names of the arguments to shard (default: every tensor argument);
     ``position_ids``: the name of the forward parameter to fill with global positions (None: never);
-    ``documents``: look for packed documents (``cu_seqlens`` or restarting position ids);
+    ``documents``: look for packed documents (``cu_seqlens`` or jumps in ``position_ids``);
     ``window``: a sliding window for every SDPA the module runs, as in ``dr.ring_attention``
     (``(w - 1, 0)`` for a Mistral-style window of w tokens; per-layer windows: ``dtensor_ring.hf``
     takes them from the model's config, or call ``dr.ring_attention`` with ``window=``).
     """
+
+    _takes_transformers = False  # dtensor_ring.hf.apply's subclass takes transformers models
 
     def __init__(self, schedule: str = "zigzag", *, seq_dim: int = 1, precision: str = "fp32",
                  backend: str = "auto", seq_inputs=None, position_ids: str | None = "position_ids",
@@ -221,6 +257,8 @@ class ContextParallel(ParallelStyle):
             raise ValueError(
                 f"ContextParallel needs the 1-D sequence mesh (e.g. mesh['cp']); got "
                 f"{device_mesh!r}")
+        if not self._takes_transformers:
+            _refuse_transformers(module)
         self._register(device_mesh)
         params = inspect.signature(module.forward).parameters
         fill = self.position_ids is not None and self.position_ids in params
@@ -270,7 +308,7 @@ class ContextParallel(ParallelStyle):
             return False
         named = dict(zip(params, args))
         named.update(kwargs)
-        return (named.get("cu_seqlens") is not None
+        return (any(named.get(n) is not None for n in BOUNDARY_ARGS)
                 or isinstance(named.get(self.position_ids), torch.Tensor))
 
     def _route_submodule(self, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -319,20 +357,24 @@ class ContextParallel(ParallelStyle):
     def _shard_inputs(self, names, args, kwargs, mesh, fill):
         named = dict(zip(names, args))
         named.update(kwargs)
-        # cu_seqlens describes the batch for the style; the module gets it only if it asks for it
-        cu_seqlens = named.get("cu_seqlens") if "cu_seqlens" in names else named.pop(
-            "cu_seqlens", None)
+        cu_arg, cu_seqlens = _boundaries(named, names)
         for name in MASK_ARGS:
             if isinstance(named.get(name), torch.Tensor):
                 raise ValueError(f"{name} is not supported with ContextParallel yet (got a tensor "
                                  f"of shape {tuple(named[name].shape)}); pass None / omit it")
-        chosen = [n for n, x in named.items() if isinstance(x, torch.Tensor) and n != "cu_seqlens"
-                  and (self.seq_inputs is None or n in self.seq_inputs)]
+        chosen = [n for n, x in named.items() if isinstance(x, torch.Tensor)
+                  and n not in NOT_SEQUENCES and (self.seq_inputs is None or n in self.seq_inputs)]
         if self.seq_inputs is not None:
             missing = [n for n in self.seq_inputs if n not in named]
             if missing:
                 raise ValueError(f"seq_inputs names {missing}, which the call did not pass; "
                                  f"arguments passed: {sorted(named)}")
+        world = dist.get_world_size(mesh.get_group())
+        if "num_items_in_batch" in names and isinstance(named.get("labels"), torch.Tensor):
+            # the whole batch's count, before sharding: each rank's loss sum / it is the
+            # batch's mean once averaged over the ranks (loss.py)
+            named["num_items_in_batch"] = items_per_rank(named["labels"], world,
+                                                         named.get("num_items_in_batch"))
         seq_len = lead = None
         for n in chosen:
             x = named[n]
@@ -342,7 +384,6 @@ class ContextParallel(ParallelStyle):
                     "name the sequence inputs with seq_inputs=(...)")
             if seq_len is None:
                 seq_len, lead = x.shape[self.seq_dim], tuple(x.shape[:self.seq_dim])
-                world = dist.get_world_size(mesh.get_group())
                 self.layout.check_global_len(seq_len, world, f"{n}.shape[{self.seq_dim}]")
             elif x.shape[self.seq_dim] != seq_len:
                 raise ValueError(
@@ -354,9 +395,10 @@ class ContextParallel(ParallelStyle):
             group = mesh.get_group()
             packed = find_documents(cu_seqlens, named.get(self.position_ids), self.seq_dim,
                                     seq_len, self.layout, dist.get_rank(group),
-                                    dist.get_world_size(group), named[chosen[0]].device)
+                                    dist.get_world_size(group), named[chosen[0]].device,
+                                    cu_arg=cu_arg, positions_arg=self.position_ids)
         elif cu_seqlens is not None:
-            raise ValueError("cu_seqlens was passed to a ContextParallel module built with "
+            raise ValueError(f"{cu_arg} was passed to a ContextParallel module built with "
                              "documents=False (or with no sequence inputs to shard)")
         for n in chosen:
             named[n] = (shard_sequence(named[n], mesh, dim=self.seq_dim, layout=self.layout.name)
@@ -368,6 +410,32 @@ class ContextParallel(ParallelStyle):
             named[self.position_ids] = positions.expand(*lead, positions.shape[0])
         positional = tuple(named.pop(n) for n in names[:len(args)])
         return positional, named, packed
+
+
+def _boundaries(named, names):
+    """(the argument that gives the documents' boundaries, its value), or (None, None). They
+    describe the batch for the style; the module gets them only if its forward names them."""
+    given = {}
+    for n in (*BOUNDARY_ARGS, *LENGTH_ARGS):
+        value = named.get(n) if n in names else named.pop(n, None)
+        if value is not None:
+            given[n] = value
+    boundaries = [n for n in BOUNDARY_ARGS if n in given]
+    if not boundaries:
+        return None, None
+    first = boundaries[0]
+    for other in boundaries[1:]:
+        if not torch.equal(torch.as_tensor(given[other]).cpu().long(),
+                           torch.as_tensor(given[first]).cpu().long()):
+            raise ValueError(
+                f"{other} differs from {first} ({_listed(given[other])} vs "
+                f"{_listed(given[first])}); context parallelism runs self-attention over one set "
+                "of documents: pass the same boundaries, or only one of them")
+    return first, given[first]
+
+
+def _listed(x):
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
 BUCKET_MB = 25  # sync_gradients' default bucket size (DDP's default too)

@@ -20,7 +20,10 @@ q/dout/out/lse views, so it gets contiguous copies (``backward_takes_views``).
 Sliding windows: an edge block's band goes to PyTorch's flash op with window sizes, for both
 kernels (cuDNN through PyTorch takes no window); ``windows.py``.
 """
+import os
+
 import torch
+from torch.torch_version import TorchVersion
 
 from .base import MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
 from . import windows as _windows
@@ -35,12 +38,13 @@ def _rows_strided(x):
 
 
 class _CudaKernel(BlockKernel):
-    max_head_dim = 128
+    min_head_dim, max_head_dim = 8, 128
     backward_takes_views = True
 
     def available(self, device, dtype, head_dim):
         return (device.type == "cuda" and dtype in _HALF and head_dim % 8 == 0
-                and head_dim <= self.max_head_dim and self._op_available())
+                and self.min_head_dim <= head_dim <= self.max_head_dim
+                and self._op_available())
 
     def _op_available(self):
         return True
@@ -81,6 +85,7 @@ class _CudaKernel(BlockKernel):
 
 class Cudnn(_CudaKernel):
     name = "cudnn"
+    min_head_dim = 16  # the plan-cache marker must not be a multiple of the head dim (note below)
 
     def _op_available(self):
         return torch.backends.cudnn.is_available()
@@ -90,12 +95,8 @@ class Cudnn(_CudaKernel):
             q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
         return out, lse.view(lse.shape[:3])  # cuDNN's LSE is [B, H, S, 1]
 
-    # PyTorch caches the cuDNN backward plan under the shapes and strides of q, k and v, not of
-    # dout and out (MHAParams). On an H100 (torch 2.11, cuDNN 9.19) a call whose dout or out had
-    # other strides than an earlier call with the same q, k, v got gradients off by more than
-    # 100%, silently (a compiled model hands dout in [B, S, H, D] memory). So dout and out always
-    # take q's strides, which the key holds: once per backward for the whole tensors
-    # (backward_layout), after which every block's slices already agree.
+    # Dout and out take q's strides (once per backward, ``backward_layout``), and the keys a
+    # marker (``unshared_keys``): see the note "cuDNN backward plans" below.
 
     def backward_layout(self, x, q, documents):
         return _strided_like(x, q)
@@ -104,8 +105,56 @@ class Cudnn(_CudaKernel):
         dout, out = _strided_like(dout, q), _strided_like(out, q)  # no copy after backward_layout
         seed = offset = torch.empty(0, device=q.device)
         return _aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None,
+            dout, q, unshared_keys(k), v, out, lse.unsqueeze(-1), seed, offset, None, None, None,
             q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+
+
+# Note "cuDNN backward plans" (torch 2.11 to 2.13; cuDNN 9.19).
+#
+# PyTorch caches each cuDNN backward plan under the dims and strides of q, k and v only
+# (``MHAParams`` in aten/src/ATen/native/cudnn/MHA.cpp; one cache per thread, never cleared), but
+# the plan holds the strides of out, dout and the LSE of the call that built it. A later call with
+# the same q, k and v and other out/dout/LSE strides runs that plan on its own pointers: silently
+# wrong gradients (on 4 H100s, zigzag after PyTorch's context parallel had run: dq/dk/dv rel-RMS
+# 46). Any cuDNN attention in the process can build such a plan first: PyTorch's own SDPA (its
+# dout is whatever the model's next op gives), its context parallel (merged outs, chunk views),
+# other libraries. Ours hand out/dout with q's strides and slices of a [B, H, S] LSE, which no
+# other caller need share. torch 2.14 keys the plan on out, dout and the LSE as well.
+#
+# So on torch < 2.14 the keys a backward hands cuDNN carry a stride no other caller's tensors
+# have: a plan cached under our key was built by one of our calls, whose out/dout/LSE strides are
+# a function of q's (the same for every call with that key). Natural tensors' strides, other than
+# the head dim's 1, are multiples of the head dim D (products of sizes that include it, or slices
+# of such); the marker is 8 elements past a multiple of D (D >= 16: ``Cudnn.min_head_dim``), and
+# a multiple of 8 elements (16 bytes, as cuDNN's tensor-memory loads need).
+# * Batch 1 (usual in long-context training): the batch dim's stride, which no address uses,
+#   becomes the marker, past the tensor's extent so that the dims keep their order; no copy.
+# * Larger batches, or with TORCH_CUDNN_SDPA_AVOID_RECOMPILE set (PyTorch then keys every batch
+#   stride as the same value): the keys are copied into a buffer whose head stride is S * D + 8
+#   (one copy of a block's keys per call).
+_PLAN_KEY_HOLDS_EVERY_OPERAND = TorchVersion(torch.__version__) >= "2.14.0"
+_MARKER = 8  # elements
+
+
+def unshared_keys(k: torch.Tensor) -> torch.Tensor:
+    """``k`` ([B, H, S, D], D >= 16) with the plan-cache marker of the note above (as it is on a
+    torch whose cache key holds every operand)."""
+    if _PLAN_KEY_HOLDS_EVERY_OPERAND:
+        return k
+    b, h, s, d = k.shape
+    if b == 1 and not _batch_stride_unkeyed():
+        extent = max(stride * size for stride, size in zip(k.stride()[1:], k.shape[1:]))
+        # The offset explicitly: traced, as_strided without one starts at the storage's start.
+        return k.as_strided(k.shape, (-(-extent // d) * d + _MARKER, *k.stride()[1:]),
+                            k.storage_offset())
+    head = s * d + _MARKER
+    marked = k.new_empty(b * h * head).as_strided(k.shape, (h * head, head, d, 1))
+    return marked.copy_(k)
+
+
+def _batch_stride_unkeyed() -> bool:
+    return os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "").lower() in ("1", "true", "on",
+                                                                            "yes")
 
 
 class Flash(_CudaKernel):

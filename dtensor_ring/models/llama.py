@@ -4,9 +4,12 @@
 The default config has about 1M parameters at 2 layers. Attention reshapes with ``-1`` heads, so a
 tensor-parallel plan that shards the q/k/v projections column-wise (heads) works unchanged.
 
-``forward(input_ids, position_ids=None, labels=None)``: ``position_ids`` default to 0..S-1;
-``labels`` are aligned with ``input_ids`` (already shifted: ``labels[t]`` is the token after
-``input_ids[t]``; -100 is ignored) and give the mean cross-entropy over this call's tokens.
+``forward(input_ids, position_ids=None, labels=None, num_items_in_batch=None)``:
+``position_ids`` default to 0..S-1; ``labels`` are aligned with ``input_ids`` (already shifted:
+``labels[t]`` is the token after ``input_ids[t]``; -100 is ignored) and give the cross-entropy
+summed over the counted tokens and divided by ``num_items_in_batch`` (default: their count, the
+mean). Under ``ContextParallel`` the style passes the whole batch's count / W, so the mean of the
+ranks' losses is the batch's mean however the -100 labels fall (``dtensor_ring/loss.py``).
 """
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -133,7 +136,8 @@ class Llama(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=1.0)
 
-    def forward(self, input_ids, position_ids=None, labels=None) -> LlamaOutput:
+    def forward(self, input_ids, position_ids=None, labels=None,
+                num_items_in_batch=None) -> LlamaOutput:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device)
         h = self.tok_embeddings(input_ids)
@@ -144,5 +148,7 @@ class Llama(nn.Module):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
-                                   ignore_index=-100)
+                                   ignore_index=-100, reduction="sum")
+            loss = loss / ((labels != -100).sum() if num_items_in_batch is None
+                           else num_items_in_batch)
         return LlamaOutput(logits, loss)

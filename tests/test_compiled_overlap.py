@@ -1,0 +1,86 @@
+"""The compiled ring keeps eager's overlap: in the code inductor generates, every exchange is posted
+before some attention kernel and waited on after it.
+
+One process, a fake process group of 4 ranks as rank 1; ``torch.compile`` (inductor, CPU) of
+zigzag and llama3 forward+backward. The fake group answers every exchange at once with garbage:
+only the generated code is read. Inductor may move nodes (its fusion and memory-planning passes);
+this checks the order it finally emits, which is what the GPU runs.
+"""
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._inductor.utils import run_and_get_code
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import dtensor_ring as dr
+
+_POST = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.post_exchange\.default\(.*"
+                   r"'(send_recv_next|all_gather|reduce_scatter)', '[^']*'\)$")
+_WAIT = re.compile(r"torch\.ops\.dtensor_ring\.wait_exchange\.default\((\w+),")
+_ALIAS = re.compile(r"^(\w+) = (\w+)$")
+_ATTENTION = re.compile(r"torch\.ops\.aten\._scaled_dot_product\w*attention")
+
+
+def exchanges_without_overlap(code: str) -> list[str]:
+    """The kinds of the exchanges of ``code`` (inductor's output) waited on with no attention
+    kernel between their post and their wait, in the order of their waits."""
+    posted, names, bad = {}, {}, []  # handle -> attention kernels seen before its post
+    kernels = 0
+    for line in (raw.strip() for raw in code.splitlines()):
+        if (post := _POST.match(line)) is not None:
+            posted[post.group(1)] = kernels
+            names[post.group(1)] = post.group(2)
+        elif (alias := _ALIAS.match(line)) is not None and alias.group(2) in posted:
+            posted[alias.group(1)] = posted[alias.group(2)]  # bufN = bufM: the same handle
+            names[alias.group(1)] = names[alias.group(2)]
+        elif (wait := _WAIT.search(line)) is not None:
+            if posted[wait.group(1)] == kernels:
+                bad.append(names[wait.group(1)])
+        if _ATTENTION.search(line):
+            kernels += 1
+    return bad
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    yield init_device_mesh("cpu", (4,))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["zigzag", "llama3"])
+def test_every_exchange_overlaps_attention_in_the_compiled_code(mesh, schedule):
+    def step(q, k, v):
+        out = dr.ring_attention(q, k, v, mesh=mesh, schedule=schedule, is_causal=True)
+        out.float().sum().backward()
+
+    q, k, v = (torch.randn(1, h, 64, 16, requires_grad=True) for h in (4, 2, 2))
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(step), q, k, v)
+    code = "\n".join(codes)
+    posts = len(re.findall(r"post_exchange\.default\(", code))
+    # zigzag: 3 K/V shifts forward, 3 K/V + 3 dK/dV backward, each overlapping a step's blocks.
+    # llama3: 2 head groups' gathers forward, 2 gathers + 2 reduce-scatters backward; as eagerly,
+    # with a kernel that has the bottom-right mask (the CPU one) the first gather of each pass
+    # has nothing to overlap (no block on the rank's own K/V alone: ``llama3._NaturalOrder``), nor
+    # has the last reduce-scatter.
+    assert posts == (9 if schedule == "zigzag" else 6), code
+    unhidden = exchanges_without_overlap(code)
+    assert unhidden == ([] if schedule == "zigzag" else
+                        ["all_gather", "all_gather", "reduce_scatter"]), unhidden
+
+
+def test_a_wait_before_the_compute_is_found():
+    """The check itself: an exchange whose wait comes before the step's kernel is reported."""
+    overlapped = """
+buf0 = torch.ops.dtensor_ring.post_exchange.default([a, b], None, 'send_recv_next', '0')
+buf1 = buf0
+buf2 = torch.ops.aten._scaled_dot_product_cudnn_attention.default(q, a, b)
+buf3 = torch.ops.dtensor_ring.wait_exchange.default(buf1, [a, b], 'send_recv_next', 4)"""
+    assert exchanges_without_overlap(overlapped) == []
+    lines = overlapped.strip().splitlines()
+    serial = "\n".join([lines[0], lines[1], lines[3], lines[2]])
+    assert exchanges_without_overlap(serial) == ["send_recv_next"]
