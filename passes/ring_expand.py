@@ -24,6 +24,12 @@ After (abridged; ``tests/test_ring_expand.py`` pins the full sequence):
     attn_1 = ...(q[S/2:], k_1, v_1, 0.0, False)                                  # step 1 block
     ... fp32 merge ... (and so on for steps 2 and 3)
 
+On a 2-D mesh the node is ``dtensor_ring::hybrid_attention_fwd`` / ``_bwd`` and both levels expand:
+the all-to-all over heads as ``_c10d_functional.all_to_all_single`` + ``wait_tensor`` on the inner
+group, then the outer schedule's steps as above on the outer group, per head piece
+(``dtensor_ring/hybrid/schedule.py``; ``tests/test_ring_expand.py`` pins a 2 x 2 forward and
+backward).
+
 The rank and world size come from the process group named in the node, so the result is specific to
 this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph cache never hands one
 rank's graph to another, and every process group's name and members: the node names its group,
@@ -44,26 +50,40 @@ import torch.distributed as dist
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
-from torch.distributed.distributed_c10d import _resolve_process_group, _world
+from torch.distributed.distributed_c10d import _world
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dtensor_ring.comm import FunctionalComm
 from dtensor_ring.dtensor.registry import sequence_schedules_key
+from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
+from dtensor_ring.hybrid.comm import functional_comm
+from dtensor_ring.hybrid.schedule import placed_schedule
 from dtensor_ring.ops import schedule_call
 
 VERSION = "ring_expand-1"
 COUNTERS: collections.Counter = collections.Counter()
 
 
+# The nodes expanded: op -> (forward?, how many process-group names lead its options).
+_TARGETS = {
+    torch.ops.dtensor_ring.ring_attention_fwd.default: (True, 1),
+    torch.ops.dtensor_ring.ring_attention_bwd.default: (False, 1),
+    # the hybrid's (dtensor_ring/hybrid/ops.py): the ring's group, the all-to-all's, the whole
+    # mesh's (for the agreement check at trace time only); its all-to-all expands too
+    torch.ops.dtensor_ring.hybrid_attention_fwd.default: (True, 3),
+    torch.ops.dtensor_ring.hybrid_attention_bwd.default: (False, 3),
+}
+
+
 def _schedule_fn(node):
     """The schedule call this node stands for, as a function of its tensor arguments (with
     packed documents, their boundaries are the last tensor: a graph input, not a constant)."""
-    forward = node.target is torch.ops.dtensor_ring.ring_attention_fwd.default
+    forward, n_groups = _TARGETS[node.target]
     n_tensors = 3 if forward else 6
     tensors, options = list(node.args[:n_tensors]), node.args[n_tensors:]
-    group_name, schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen = options
-    group = _resolve_process_group(group_name)
-    comm = FunctionalComm(group_name, dist.get_rank(group), dist.get_world_size(group))
+    groups, options = options[:n_groups], options[n_groups:]
+    schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen = options
+    comm = functional_comm(groups[0], groups[1] if n_groups > 1 else None)
+    shape = (comm.outer.world_size, comm.inner.world_size) if n_groups > 1 else None
     q = tensors[0 if forward else 1].meta["val"]
     has_docs = cu_seqlens is not None
     if has_docs:
@@ -73,6 +93,8 @@ def _schedule_fn(node):
         args = list(args)
         cu = args.pop() if has_docs else None
         sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen)
+        if shape is not None:
+            sched = placed_schedule(sched, *shape)
         run = sched.forward if forward else sched.backward
         return run(comm, *args, is_causal=is_causal, scale=scale, **kwargs)
 
@@ -113,17 +135,15 @@ def _expand(graph, node) -> None:
 
 def expand_ring_attention(graph: torch.fx.Graph) -> int:
     """Expand every ring-attention node of ``graph`` in place; returns how many were expanded."""
-    targets = (torch.ops.dtensor_ring.ring_attention_fwd.default,
-               torch.ops.dtensor_ring.ring_attention_bwd.default)
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _TARGETS]
     if not nodes:
         COUNTERS["graphs_without_ring_attention"] += 1  # nothing of ours here: leave it untouched
         return 0
-    backward_graph = any(n.target is targets[1] for n in nodes)
+    backward_graph = any(not _TARGETS[n.target][0] for n in nodes)
     for node in nodes:
         _expand(graph, node)
         COUNTERS[f"expanded_{node.target.overloadpacket.__name__}"] += 1
-        if backward_graph and node.target is targets[0]:
+        if backward_graph and _TARGETS[node.target][0]:
             # A ring forward in a backward graph: activation checkpointing's recompute, which
             # communicates again (zero under dr.save_ring_attention_context).
             COUNTERS["recomputed_ring_attention_fwd"] += 1

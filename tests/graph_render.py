@@ -21,7 +21,8 @@ def _kind(node):
     return None
 
 
-def render(graph: torch.fx.Graph) -> str:
+def render(graph: torch.fx.Graph, groups: dict | None = None) -> str:
+    """``groups``: process-group name -> label, shown after each collective on that group."""
     lines, folded = [], 0
     for node in graph.nodes:
         if node.op != "call_function":
@@ -38,7 +39,11 @@ def render(graph: torch.fx.Graph) -> str:
         shapes = ", ".join(_shape(a) for a in tensors)
         extra = [a for a in node.args if isinstance(a, (list, bool))]
         if kind == "comm":
-            lines.append(f"{op}({shapes}{''.join(f', {e}' for e in extra)})")
+            where = ""
+            if groups:
+                where = "".join(f" @{groups[a]}" for a in node.args
+                                if isinstance(a, str) and a in groups)
+            lines.append(f"{op}({shapes}{''.join(f', {e}' for e in extra)}){where}")
         elif kind == "wait":
             lines.append(f"wait({shapes})")
         else:
