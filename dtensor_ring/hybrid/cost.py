@@ -15,7 +15,8 @@ ring schedules (zigzag, stripe) over P = O ranks, per piece, with c = F / (C P) 
     backward  2.5c + (P - 1) max(2.5c, t(3K))          outer link (the dK/dV accumulator: fp32)
 llama3 over P ranks in g = min(Hkv' / C, P) head groups, c_g = F / (C g):
     forward   t((P-1) K / g) + (g - 1) max(c_g, t((P-1) K / g)) + c_g
-    backward  t((P-1) K / g) + (g - 1) max(2.5 c_g, t(3 (P-1) K / g)) + 2.5 c_g + t(2 (P-1) K / g)
+    backward  max(t(G) + 2.5 g c_g + t(2G), g (t(G) + t(2G)))   G = (P-1) K / g  (gather, then
+                                                                fp32 reduce-scatter, per group)
 the all-to-all (I > 1), per piece, over the inner link, (I - 1) / I of each buffer leaving:
     forward   in: q, k, v;  out: out (fp32 in exact mode), LSE
     backward  in: dout, q, k, v, out, LSE;  out: dq, dk, dv
@@ -65,8 +66,10 @@ def _llama3(pieces, steps, groups, compute, k_bytes, link: Link) -> Modelled:
     gather = (steps - 1) * k_bytes / groups
     cb = BACKWARD_FLOPS * c
     forward = link.time(gather) + (groups - 1) * max(c, link.time(gather)) + c
-    backward = (link.time(gather) + (groups - 1) * max(cb, link.time(3 * gather)) + cb
-                + link.time(2 * gather))
+    # the gathers (16-bit K/V) and reduce-scatters (fp32 dK/dV) share the sender's port; a
+    # group's reduce-scatter overlaps the next group's compute: the compute path or the port's
+    backward = max(link.time(gather) + groups * cb + link.time(2 * gather),
+                   groups * (link.time(gather) + link.time(2 * gather)))
     return Modelled(forward, backward)
 
 
