@@ -16,6 +16,10 @@ values the signature is remembered for that group and later calls with it pay a 
 before any of them posts an exchange: nobody is left waiting. A signature that failed is not
 remembered, so a repeated mistake raises again.
 
+On a 2-D mesh (ring x all-to-all, ``hybrid/``) the group is one of all the mesh's ranks
+(``mesh.whole_group``) and the signature holds the mesh's shape, so ranks calling with meshes of
+different shapes over the same ranks (2 x 2 on some, 1 x 4 on others) are caught too.
+
 Where it runs: eagerly, in ``ring_attention`` before its autograd function, and in the custom op
 ``dtensor_ring::ring_attention_fwd`` (the DTensor rule's path, and ``ring_attention`` while a
 dispatch mode is active). Under ``torch.compile`` the op's fake implementation runs it while Dynamo

@@ -20,9 +20,8 @@ def resolve_group(mesh, arg: str = "mesh") -> dist.ProcessGroup:
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ValueError(
-                f"{arg} must be a 1-D DeviceMesh, or a 2-D one (ring x all-to-all) where that is "
-                f"accepted; got a {mesh.ndim}-D mesh with dimension names "
-                f"{mesh.mesh_dim_names}: pass the sequence dimension(s), e.g. {arg}['cp']")
+                f"{arg} must be a 1-D DeviceMesh; got a {mesh.ndim}-D mesh with dimension names "
+                f"{mesh.mesh_dim_names}: pass the sequence dimension, e.g. {arg}['cp']")
         return mesh.get_group()
     if isinstance(mesh, dist.ProcessGroup):
         return mesh
@@ -83,6 +82,11 @@ def resolve_mesh(mesh, arg: str = "mesh") -> SequenceMesh:
     return SequenceMesh(resolve_group(mesh, arg))
 
 
+# (ring group name, all-to-all group name) -> the group of all of that 2-D mesh's ranks: found
+# once, outside torch.compile (whole_group), and read by compiled code.
+_WHOLE: dict[tuple[str, str], dist.ProcessGroup] = {}
+
+
 def whole_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """A process group of exactly the ranks of a 2-D ``mesh``, for the agreement check.
 
@@ -90,11 +94,19 @@ def whole_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     spans the job), so that ranks passing meshes that disagree -- (2, 2) on some, (1, 4) on
     others -- meet in one all-gather and see it; else ``mesh._flatten()``'s, which creates one
     (a collective over the root mesh's ranks, as ``DeviceMesh._flatten`` is: the first call on a
-    mesh must be made by every rank, as ``ContextParallel`` and the first attention call are).
+    mesh must be made by every rank, as ``ContextParallel`` and ``shard_sequence`` are). Found
+    once per mesh, eagerly: a compiled call needs the mesh seen before (by ``ContextParallel``,
+    ``shard_sequence`` or an eager call), and raises a ValueError saying so otherwise.
     """
-    held = getattr(mesh, "_dtensor_ring_whole_group", None)
-    if held is not None:
-        return held
+    key = (mesh.get_group(0).group_name, mesh.get_group(1).group_name)
+    found = _WHOLE.get(key)
+    if found is not None:
+        return found
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"the 2-D mesh {mesh} is used under torch.compile before any eager use: shard the "
+            "inputs with dr.shard_sequence (or apply dr.ContextParallel) with it first, outside "
+            "the compiled code")
     members = set(mesh.mesh.flatten().tolist())
     found = next((group for group, ranks in _world.pg_group_ranks.items()
                   if set(ranks) == members), None)
@@ -103,7 +115,7 @@ def whole_group(mesh: DeviceMesh) -> dist.ProcessGroup:
             raise ValueError("a 2-D context-parallel mesh needs dimension names "
                              "(init_device_mesh(..., mesh_dim_names=('cp_ring', 'cp_a2a')))")
         found = mesh._flatten("_".join(mesh.mesh_dim_names)).get_group()
-    mesh._dtensor_ring_whole_group = found
+    _WHOLE[key] = found
     return found
 
 

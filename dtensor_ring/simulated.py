@@ -18,6 +18,7 @@ import threading
 import torch
 
 from .comm import _Done, sum_in_rank_order
+from .hybrid.comm import HybridComm
 
 _TIMEOUT_S = 600.0
 
@@ -113,9 +114,7 @@ class SimMesh:
         self.rows = [SimWorld(inner, timeline, [i * inner + j for j in range(inner)])
                      for i in range(outer)]  # the all-to-all's groups
 
-    def comm(self, rank: int):
-        from .hybrid.comm import HybridComm  # noqa: PLC0415 - the hybrid builds on this module
-
+    def comm(self, rank: int) -> HybridComm:
         i, j = divmod(rank, self.inner)
         return HybridComm(SimComm(self.columns[j], i), SimComm(self.rows[i], j))
 

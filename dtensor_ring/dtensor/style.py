@@ -223,6 +223,7 @@ class ContextParallel(ParallelStyle):
                 f"ContextParallel needs the 1-D sequence mesh (e.g. mesh['cp']) or a 2-D one "
                 f"(ring, all-to-all: mesh['cp_ring', 'cp_a2a']); got {device_mesh!r}")
         self._register(device_mesh)
+        resolve_mesh(device_mesh)  # a 2-D mesh's groups are found here, eagerly (mesh.py)
         params = inspect.signature(module.forward).parameters
         fill = self.position_ids is not None and self.position_ids in params
         if self.position_ids is not None and not fill:

@@ -35,7 +35,9 @@ import torch
 
 from ..comm import sum_in_rank_order
 
-DEFAULT_CHUNKS = 2  # pieces per head group: the first piece's all-to-all is the only exposed one
+# Pieces per head group: only the first piece's inputs and the last piece's output wait on the
+# all-to-all (schedule.py); more pieces would hide more but send more, smaller outer messages.
+DEFAULT_CHUNKS = 2
 
 
 @dataclass(frozen=True)
