@@ -146,12 +146,13 @@ class _SimulatedRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, world, schedule, options):
         docs = options["docs"]
+        ctx.mesh = world  # a fresh simulated mesh of this shape for the backward
         sim = simulated_mesh(world)
         world = sim.world_size
         shards = [_shard_all(x, schedule.layout, world, docs) for x in (q, k, v)]
         results = sim.run(
             lambda comm: schedule.forward(comm, *(s[comm.rank] for s in shards), **options))
-        ctx.shards, ctx.results, ctx.sim = shards, results, sim
+        ctx.shards, ctx.results = shards, results
         ctx.world, ctx.schedule, ctx.options = world, schedule, options
         # .to: exact kernels leave the merged out in fp32 (kept in ctx.results for the backward)
         return _unshard_all([out.to(q.dtype) for out, _ in results], schedule.layout, world, docs)
@@ -166,7 +167,7 @@ class _SimulatedRing(torch.autograd.Function):
             out, lse = ctx.results[comm.rank]
             return ctx.schedule.backward(comm, douts[comm.rank], q, k, v, out, lse, **ctx.options)
 
-        grads = ctx.sim.run(rank_backward)
+        grads = simulated_mesh(ctx.mesh).run(rank_backward)
         dq, dk, dv = (_unshard_all([g[i] for g in grads], layout, world, docs) for i in range(3))
         return dq, dk, dv, None, None, None
 

@@ -124,7 +124,7 @@ def _dtensor_rule(mesh, failures):
     hybrid plan; every rank's shard of out, dq, dk, dv right, for each registered outer
     schedule."""
     rank = mesh.get_rank()
-    q, k, v, dout = make_inputs(2, 4, 2, 32 * mesh.size(), 16, seed=7)
+    q, k, v, dout = make_inputs(2, 4, 2, 64 * mesh.size(), 64, seed=7)
     reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
     single = attention_and_grads(sdpa(True), q, k, v, dout, torch.float32)
     for schedule in ("zigzag", "llama3", "ring"):
