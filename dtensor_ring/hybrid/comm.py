@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..comm import Communicator, FunctionalComm, Pending, ProcessGroupComm, _count, _Done, _Wait
+from ..comm import (NCCL_HEAD_START_CYCLES, Communicator, FunctionalComm, Pending,
+                    ProcessGroupComm, _count, _Done, _Wait)
 from ..mesh import SequenceMesh
 
 
@@ -51,6 +52,7 @@ class GroupAllToAll:
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._nccl = dist.get_backend(group) == "nccl"
 
     def all_to_all(self, tensor):
         if self.world_size == 1:
@@ -59,6 +61,8 @@ class GroupAllToAll:
         tensor = tensor.contiguous()
         received = torch.empty_like(tensor)
         work = dist.all_to_all_single(received, tensor, group=self.group, async_op=True)
+        if self._nccl:  # as for the ring's shift: let NCCL onto the SMs before the next kernel
+            torch.cuda._sleep(NCCL_HEAD_START_CYCLES)
         return _Received(work, received)
 
 
