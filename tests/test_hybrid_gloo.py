@@ -281,7 +281,9 @@ def _compiled(mesh):
     expansion is pinned in test_ring_expand.py): the pass expands the hybrid op, and the loss
     and gradients are the float64 model's."""
     rank = mesh.get_rank()
-    torch._dynamo.reset()
+    # A cached graph skips the passes: compile afresh so the expansion is exercised and counted.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     base = _base()
     ids, labels = _batch(1, base.cfg.vocab_size)
     reference = _single(copy.deepcopy(base).double(), ids, labels)
