@@ -25,7 +25,8 @@ def _kind(node):
     return None
 
 
-def render(graph: torch.fx.Graph) -> str:
+def render(graph: torch.fx.Graph, groups: dict | None = None) -> str:
+    """``groups``: process-group name -> label, shown after each collective on that group."""
     lines, folded = [], 0
     for node in graph.nodes:
         if node.op != "call_function":
@@ -39,7 +40,8 @@ def render(graph: torch.fx.Graph) -> str:
             folded = 0
         op = node.target.__name__.split(".")[0]
         if kind == "comm":  # post_exchange(tensors, after, kind, group): the kind, shapes sent
-            lines.append(f"{node.args[2]}({', '.join(_shape(a) for a in node.args[0])})")
+            where = f" @{groups[node.args[3]]}" if groups and node.args[3] in groups else ""
+            lines.append(f"{node.args[2]}({', '.join(_shape(a) for a in node.args[0])}){where}")
         elif kind == "wait":  # wait_exchange(...) -> the tensors received
             lines.append(f"wait({', '.join(_shape_of(v) for v in node.meta['val'])})")
         else:
