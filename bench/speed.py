@@ -18,6 +18,13 @@ Methods, per config (tokens per GPU x kv heads; d = 128, causal bf16 unless told
   fp32 (cuDNN block kernels by default) and exact (the Triton kernel); ``..._compiled`` the same
   under ``torch.compile``, ``..._captured`` captured in CUDA graphs with NCCL inside and replayed
   (``Ours``).
+* ``<O>x<I>_<schedule>_<precision>`` (with ``--mesh OxI``): the same on a 2-D mesh of O ring ranks x
+  I all-to-all ranks (``dtensor_ring/hybrid/``: the schedule over the ring ranks on head groups
+  gathered by an all-to-all), e.g. ``--mesh 2x2`` on 4 GPUs, in the same run as the 1-D rows:
+
+      torchrun --nproc-per-node=4 bench/speed.py --tokens-per-gpu 8192 --heads 32 --kv-heads 8 \\
+          --mesh 2x2 --methods ideal,zigzag_fp32,2x2_zigzag_fp32,2x2_llama3_fp32 --out hybrid.json
+
 
 Columns: forward and forward+backward time (CUDA events, --warmup, median of --iters, max over ranks),
 fraction of the ideal, the memory the call adds on top of its inputs at its peak
@@ -82,6 +89,15 @@ def ints(text):
     return [int(x) for x in text.split(",") if x]
 
 
+def mesh_shape(text):
+    """``--mesh``: ``OxI`` (ring ranks x all-to-all ranks) -> (O, I)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not OxI (ring ranks x all-to-all ranks, "
+                                         "e.g. 2x2)")
+    return int(parts[0]), int(parts[1])
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens-per-gpu", type=ints, default=[2048, 4096, 8192, 16384, 32768])
@@ -99,6 +115,9 @@ def parse_args(argv=None):
                    help="method-name prefixes run in the --also-non-causal configs")
     p.add_argument("--methods", default="",
                    help="comma list of method-name prefixes to run (default: all)")
+    p.add_argument("--mesh", type=mesh_shape, metavar="OxI",
+                   help="also run every schedule on a 2-D mesh of O ring x I all-to-all ranks "
+                        "(rows <O>x<I>_<schedule>_<precision>; O * I = the number of GPUs)")
     p.add_argument("--fp32-backend", default="auto", help="block kernel of the fp32 rows")
     p.add_argument("--triton-tiles", metavar="JSON",
                    help="exact rows with the tiles bench/triton_tune.py chose (its --out JSON)")
@@ -191,11 +210,13 @@ class Ctx:
         self.window = None if size is None else (size - 1, 0 if self.causal else size - 1)
         self._shards = {}
 
-    def shards(self, layout):
-        if layout not in self._shards:
-            self._shards[layout] = [dr.shard_sequence(x, self.mesh, layout=layout)
-                                    for x in self.inputs]
-        return self._shards[layout]
+    def shards(self, layout, mesh=None):
+        """This rank's shards in ``layout`` on ``mesh`` (default: the 1-D mesh of all ranks)."""
+        mesh = mesh or self.mesh
+        key = (layout, tuple(mesh.shape))
+        if key not in self._shards:
+            self._shards[key] = [dr.shard_sequence(x, mesh, layout=layout) for x in self.inputs]
+        return self._shards[key]
 
 
 class Ideal:
@@ -252,24 +273,27 @@ class _KernelAttention(torch.autograd.Function):
 
 
 class Ours:
-    """``dr.ring_attention`` eagerly (``<schedule>_<precision>``), compiled
-    (``..._compiled``: ``torch.compile(fullgraph=True)``, the compile pass's expansion) or
-    captured (``..._captured``, CUDA only: forward and forward+backward each captured once in a
-    CUDA graph, NCCL inside, after warm-up on a side stream, then replayed)."""
+    """``dr.ring_attention`` on the 1-D mesh of all ranks, or on a 2-D ``mesh`` (the hybrid):
+    eagerly (``<schedule>_<precision>``), compiled (``..._compiled``:
+    ``torch.compile(fullgraph=True)``, the compile pass's expansion) or captured
+    (``..._captured``, CUDA only: forward and forward+backward each captured once in a CUDA
+    graph, NCCL inside, after warm-up on a side stream, then replayed)."""
 
     kind = "ours"
 
-    def __init__(self, schedule, precision, mode="eager"):
-        self.schedule, self.precision, self.mode = schedule, precision, mode
-        self.name = f"{schedule}_{precision}" + ("" if mode == "eager" else f"_{mode}")
+    def __init__(self, schedule, precision, mode="eager", mesh=None):
+        self.schedule, self.precision, self.mode, self.mesh = schedule, precision, mode, mesh
+        prefix = "" if mesh is None else "{}x{}_".format(*mesh.shape)
+        self.name = f"{prefix}{schedule}_{precision}" + ("" if mode == "eager" else f"_{mode}")
 
     def run(self, ctx):
         layout = dr.SCHEDULE_LAYOUT[self.schedule]
-        shards = ctx.shards(layout)
+        mesh = self.mesh or ctx.mesh
+        shards = ctx.shards(layout, mesh)
         backend = ctx.args.fp32_backend if self.precision == "fp32" else "auto"
 
         def ring(a, b, c):
-            return dr.ring_attention(a, b, c, mesh=ctx.mesh, schedule=self.schedule,
+            return dr.ring_attention(a, b, c, mesh=mesh, schedule=self.schedule,
                                      is_causal=ctx.causal, precision=self.precision,
                                      backend=backend, window=ctx.window)
 
@@ -285,7 +309,7 @@ class Ours:
             forward, forward_backward = (_captured(call) for call in (forward, forward_backward))
 
         def whole():
-            return [dr.unshard_sequence(x.contiguous(), ctx.mesh, layout=layout)
+            return [dr.unshard_sequence(x.contiguous(), mesh, layout=layout)
                     for x in forward_backward()]
 
         yield forward, forward_backward, whole
@@ -385,13 +409,16 @@ class _nullcontext:
         return False
 
 
-def all_methods(device):
+def all_methods(device, mesh_2d=None):
     ideals = ([Ideal("ideal_cudnn", SDPBackend.CUDNN_ATTENTION),
                Ideal("ideal_flash", SDPBackend.FLASH_ATTENTION)] if device == "cuda"
               else [Ideal("ideal_cpu", None)])
     modes = ("eager", "compiled", "captured") if device == "cuda" else ("eager", "compiled")
+    hybrid = ([] if mesh_2d is None
+              else [Ours(s, p, mesh=mesh_2d) for s in SCHEDULES for p in PRECISIONS])
     return (ideals + [TorchCP(r) for r in ROTATIONS]
-            + [Ours(s, p, mode) for mode in modes for s in SCHEDULES for p in PRECISIONS])
+            + [Ours(s, p, mode) for mode in modes for s in SCHEDULES for p in PRECISIONS]
+            + hybrid)
 
 
 def selected(methods, prefixes):
@@ -531,11 +558,11 @@ def use_triton_tiles(path):
     return best
 
 
-def sweep(args, mesh, device, info):
+def sweep(args, mesh, device, info, mesh_2d=None):
     world, rank = mesh.size(), mesh.get_local_rank()
     runner = Runner(args, mesh, device)
     rows = []
-    methods = selected(all_methods(device), args.methods)
+    methods = selected(all_methods(device, mesh_2d), args.methods)
     for cfg in configs(args):
         cfg = dict(cfg, seq=cfg["tokens_per_gpu"] * world)
         chosen = selected(methods, cfg.pop("methods", ""))
@@ -779,7 +806,14 @@ def main(argv=None):
                             timeout=datetime.timedelta(seconds=120), pg_options=options)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device, (world,))
+    mesh_2d = None
+    if args.mesh is not None:
+        if args.mesh[0] * args.mesh[1] != world:
+            raise SystemExit(f"--mesh {args.mesh[0]}x{args.mesh[1]} needs "
+                             f"{args.mesh[0] * args.mesh[1]} ranks; this run has {world}")
+        mesh_2d = init_device_mesh(device, args.mesh, mesh_dim_names=("cp_ring", "cp_a2a"))
     info = meta(args, world)
+    info["mesh_2d"] = None if args.mesh is None else list(args.mesh)
     if args.triton_tiles:
         info["triton_tiles"] = use_triton_tiles(args.triton_tiles)
     info["mesh_group_is_default"] = mesh.get_group() is dist.group.WORLD  # --nccl-high-priority
@@ -789,7 +823,7 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001 - the sweep still runs
             print(f"rank {rank}: profile failed: {describe(exc)}", flush=True)
         dist.barrier()
-    rows = sweep(args, mesh, device, info)
+    rows = sweep(args, mesh, device, info, mesh_2d)
     if rank == 0:
         print()
         print_table(info, rows)

@@ -16,32 +16,39 @@ import math
 import operator
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import ops
-from .comm import ProcessGroupComm
 from .consistency import check as check_consistency
 from .documents import documents
+from .hybrid import ops as hybrid_ops
+from .hybrid.comm import process_group_comm
+from .hybrid.heads import head_split
+from .hybrid.schedule import placed_schedule
 from .kernels import kernel_named, resolve_backend
 from .layouts.windows import check_window, effective_window, window_args
-from .mesh import check_device, resolve_group
+from .mesh import check_device, resolve_mesh
 from .schedules import get_schedule
 from .sharding import from_rank_major
-from .simulated import SimWorld
+from .simulated import simulated_mesh
 from .validation import check_int, check_options, check_qkv
 
 
 def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_mask, dropout_p,
-             cu_seqlens, max_seqlen, window, world_size, seq_len):
+             cu_seqlens, max_seqlen, window, mesh_shape, seq_len):
+    """``mesh_shape``: (ring ranks, all-to-all ranks); (W, 1) for a 1-D mesh."""
     check_qkv(q, k, v)
     check_options(is_causal=is_causal, scale=scale, precision=precision, attn_mask=attn_mask,
                   dropout_p=dropout_p)
     window = check_window(window)
-    sched = get_schedule(schedule)
+    if window is not None and mesh_shape[1] > 1:
+        raise ValueError(f"window={window} with a 2-D mesh of shape {tuple(mesh_shape)}: sliding "
+                         "windows run on a 1-D mesh (the hybrid schedule takes none)")
+    sched = placed_schedule(get_schedule(schedule), *mesh_shape)
     docs = documents(cu_seqlens, max_seqlen, seq_len,
-                     sched.layout.document_multiple(world_size), sched.layout.name, q.device)
+                     sched.layout.document_multiple(mesh_shape[0] * mesh_shape[1]),
+                     sched.layout.name, q.device)
     window = effective_window(window, is_causal, seq_len if docs is None else docs.max_len)
     # Under torch.compile a head dim seen to change (the same code compiled again) becomes
     # symbolic, which resolve_backend (a constant) cannot take. operator.index makes Dynamo
@@ -71,30 +78,43 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     p + right (-1: unbounded; with ``is_causal`` the right side is the diagonal); Hugging Face's
     ``sliding_window=w`` is ``(w - 1, 0)`` (``layouts/windows.py``). Only the ranks within reach
     exchange K/V (``schedules/windowed.py``); with documents, within each document.
+
+    ``mesh``: 1-D (the ring over it), or 2-D (ring ranks, all-to-all ranks): the schedule over the
+    first dimension on head groups gathered by an all-to-all over the second
+    (``dtensor_ring/hybrid/``); the shards are then in the hybrid layout
+    (``shard_sequence(x, mesh, layout=...)`` with the same 2-D mesh).
     """
-    group = resolve_group(mesh)
-    world = dist.get_world_size(group)
+    seq_mesh = resolve_mesh(mesh)
+    world = seq_mesh.world_size
     sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
                               precision=precision, backend=backend, attn_mask=attn_mask,
                               dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              window=window, world_size=world, seq_len=q.shape[2] * world)
+                              window=window, mesh_shape=seq_mesh.shape,
+                              seq_len=q.shape[2] * world)
     check_device(mesh, q, "query")
     sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
     docs = options["docs"]
     if not _use_op(q):
-        check_consistency(group, q, k, schedule=schedule, is_causal=is_causal,
+        # ops.py checks the rest
+        check_consistency(seq_mesh.check_group, q, k, schedule=schedule, is_causal=is_causal,
                           precision=precision, scale=options["scale"],
                           cu_seqlens=None if docs is None else docs.cu,
-                          window=options["window"])  # ops.py checks the rest
-        return _Ring.apply(q, k, v, group, sched, options)
+                          window=options["window"],
+                          mesh=None if seq_mesh.inner is None else seq_mesh.shape)
+        return _Ring.apply(q, k, v, seq_mesh, sched, options)
     # The documents' boundaries go into the graph as a tensor (new boundaries: no recompile);
     # the bound on their length sizes kernel grids, so it is a constant of the graph
     # (operator.index: Dynamo specialises it, as the head dim above).
-    out, _ = ops.ring_attention_fwd(q, k, v, group.group_name, schedule, is_causal,
-                                    options["scale"], options["kernel"].name, precision,
-                                    None if docs is None else docs.cu,
-                                    0 if docs is None else operator.index(docs.max_len),
-                                    *window_args(options["window"]))
+    if seq_mesh.inner is None:
+        op, groups = ops.ring_attention_fwd, (seq_mesh.outer.group_name,)
+        window = window_args(options["window"])
+    else:  # no window on a 2-D mesh (_prepare)
+        window = ()
+        op, groups = hybrid_ops.hybrid_attention_fwd, tuple(
+            g.group_name for g in (seq_mesh.outer, seq_mesh.inner, seq_mesh.whole))
+    out, _ = op(q, k, v, *groups, schedule, is_causal, options["scale"], options["kernel"].name,
+                precision, None if docs is None else docs.cu,
+                0 if docs is None else operator.index(docs.max_len), *window)
     return out.to(q.dtype)  # exact kernels leave the merged out in fp32 (kept for the backward)
 
 
@@ -107,19 +127,20 @@ def _use_op(x: torch.Tensor) -> bool:
 
 
 class _Ring(torch.autograd.Function):
-    """Eager ``ring_attention`` (see the module docstring): the schedule on the process group."""
+    """Eager ``ring_attention`` (see the module docstring): the schedule on the mesh's process
+    groups (a ``mesh.SequenceMesh``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, schedule, options):
-        out, lse = schedule.forward(ProcessGroupComm(group), q, k, v, **options)
+    def forward(ctx, q, k, v, mesh, schedule, options):
+        out, lse = schedule.forward(process_group_comm(mesh), q, k, v, **options)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.schedule, ctx.options = group, schedule, options
+        ctx.mesh, ctx.schedule, ctx.options = mesh, schedule, options
         return out.to(q.dtype)  # exact kernels leave the merged out in fp32: saved, not returned
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.schedule.backward(ProcessGroupComm(ctx.group), dout, q, k, v, out,
+        dq, dk, dv = ctx.schedule.backward(process_group_comm(ctx.mesh), dout, q, k, v, out,
                                            lse, **ctx.options)
         return dq, dk, dv, None, None, None
 
@@ -135,11 +156,16 @@ def _unshard_all(parts, layout, world, docs):
 
 
 class _SimulatedRing(torch.autograd.Function):
+    """``world``: W simulated ranks, or (ring ranks, all-to-all ranks) for a 2-D mesh."""
+
     @staticmethod
     def forward(ctx, q, k, v, world, schedule, options):
         docs = options["docs"]
+        ctx.mesh = world  # a fresh simulated mesh of this shape for the backward
+        sim = simulated_mesh(world)
+        world = sim.world_size
         shards = [_shard_all(x, schedule.layout, world, docs) for x in (q, k, v)]
-        results = SimWorld(world).run(
+        results = sim.run(
             lambda comm: schedule.forward(comm, *(s[comm.rank] for s in shards), **options))
         ctx.shards, ctx.results = shards, results
         ctx.world, ctx.schedule, ctx.options = world, schedule, options
@@ -156,7 +182,7 @@ class _SimulatedRing(torch.autograd.Function):
             out, lse = ctx.results[comm.rank]
             return ctx.schedule.backward(comm, douts[comm.rank], q, k, v, out, lse, **ctx.options)
 
-        grads = SimWorld(world).run(rank_backward)
+        grads = simulated_mesh(ctx.mesh).run(rank_backward)
         dq, dk, dv = (_unshard_all([g[i] for g in grads], layout, world, docs) for i in range(3))
         return dq, dk, dv, None, None, None
 
@@ -168,15 +194,30 @@ def simulate_ring(q, k, v, *, world_size, schedule="zigzag", is_causal=False, sc
 
     Whole tensors in natural order in and out; each simulated rank runs the real schedule on its
     shard with the same kernels and arithmetic, so numerics at large W are testable on one device.
-    ``cu_seqlens`` / ``max_seqlen``: packed documents, ``window``: a sliding window, as in
-    ``ring_attention``.
+    ``world_size``: W ranks of a 1-D mesh, or (ring ranks, all-to-all ranks) of a 2-D one, e.g.
+    ``(8, 8)`` for W = 64 as 8 nodes of 8 GPUs. ``cu_seqlens`` / ``max_seqlen``: packed documents,
+    ``window``: a sliding window (1-D only), as in ``ring_attention``.
     """
-    check_int(world_size, "world_size", 1, "a positive int")
+    shape = _mesh_shape(world_size)
     check_qkv(q, k, v)
-    get_schedule(schedule).layout.check_global_len(q.shape[2], world_size,
-                                                   "query.shape[2] (sequence length)")
+    placed_schedule(get_schedule(schedule), *shape).layout.check_global_len(
+        q.shape[2], shape[0] * shape[1], "query.shape[2] (sequence length)")
+    if shape[1] > 1:
+        head_split(q.shape[1], k.shape[1], shape[1])
     sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
                               precision=precision, backend=backend, attn_mask=attn_mask,
                               dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              window=window, world_size=world_size, seq_len=q.shape[2])
+                              window=window, mesh_shape=shape, seq_len=q.shape[2])
     return _SimulatedRing.apply(q, k, v, world_size, sched, options)
+
+
+def _mesh_shape(world_size) -> tuple[int, int]:
+    """``simulate_ring``'s ``world_size`` as (ring ranks, all-to-all ranks)."""
+    if isinstance(world_size, tuple) and len(world_size) == 2:
+        for size in world_size:
+            check_int(size, "world_size", 1, "a positive int or a pair of them (ring ranks, "
+                      "all-to-all ranks)")
+        return world_size
+    check_int(world_size, "world_size", 1, "a positive int or a pair of them (ring ranks, "
+              "all-to-all ranks)")
+    return world_size, 1

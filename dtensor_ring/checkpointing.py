@@ -17,7 +17,8 @@ attention kept -- and recomputes everything else (the projections, norms, MLP).
 
 How: selective checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) asks
 a policy about each op it sees through a dispatch mode; ``save_ring_attention`` answers
-``MUST_SAVE`` for the ring's custom op ``dtensor_ring::ring_attention_fwd`` and for SDPA's aten
+``MUST_SAVE`` for the ring's custom op ``dtensor_ring::ring_attention_fwd`` (and the hybrid's,
+``hybrid_attention_fwd``, on a 2-D mesh) and for SDPA's aten
 forward ops (the DTensor rule runs the ring inside those), ``PREFER_RECOMPUTE`` for the rest.
 ``ring_attention`` calls the custom op whenever a dispatch mode is active, so the policy sees the
 ring as one op eagerly too; under ``torch.compile`` the partitioner applies the same policy.
@@ -32,8 +33,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from . import ops  # noqa: F401 - registers torch.ops.dtensor_ring
 from .dtensor.sdpa_ops import FORWARD_OPS
+from .hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's op
 
-SAVED_OPS = frozenset((torch.ops.dtensor_ring.ring_attention_fwd.default, *FORWARD_OPS))
+SAVED_OPS = frozenset((torch.ops.dtensor_ring.ring_attention_fwd.default,
+                       torch.ops.dtensor_ring.hybrid_attention_fwd.default, *FORWARD_OPS))
 
 
 def save_ring_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -148,6 +148,19 @@ class ProcessGroupComm:
         work = _all_gather_tensor(gathered, flat, group=self.group, async_op=True)
         return _Works([work], gathered.view(self.world_size, *tensor.shape))
 
+    def all_to_all(self, tensor):
+        """``tensor`` has a leading dim of size W: row d goes to rank d, and the result's row s
+        came from rank s (the hybrid's all-to-all over heads, ``hybrid/``)."""
+        if self.world_size == 1:
+            return _Done(tensor)
+        _count("all_to_all", [tensor])
+        tensor = tensor.contiguous()
+        received = torch.empty_like(tensor)
+        work = dist.all_to_all_single(received, tensor, group=self.group, async_op=True)
+        if self._nccl:
+            torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
+        return _Works([work], received)
+
     def reduce_scatter(self, tensor):
         _count("reduce_scatter", [tensor])
         tensor = tensor.contiguous()

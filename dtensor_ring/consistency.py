@@ -16,6 +16,10 @@ values the signature is remembered for that group and later calls with it pay a 
 before any of them posts an exchange: nobody is left waiting. A signature that failed is not
 remembered, so a repeated mistake raises again.
 
+On a 2-D mesh (ring x all-to-all, ``hybrid/``) the group is one of all the mesh's ranks
+(``mesh.whole_group``) and the signature holds the mesh's shape, so ranks calling with meshes of
+different shapes over the same ranks (2 x 2 on some, 1 x 4 on others) are caught too.
+
 Where it runs: eagerly, in ``ring_attention`` before its autograd function, and in the custom op
 ``dtensor_ring::ring_attention_fwd`` (the DTensor rule's path, and ``ring_attention`` while a
 dispatch mode is active). Under ``torch.compile`` the op's fake implementation runs it while Dynamo
@@ -73,6 +77,7 @@ FIELDS = (
     ("document_boundaries", "cu_seqlens (hashed)"),
     ("window_left", "window[0], the sliding window's left side (-1: unbounded or none)"),
     ("window_right", "window[1], the sliding window's right side (-1: unbounded or none)"),
+    ("mesh", "the context-parallel mesh: ring ranks x all-to-all ranks"),
 )
 _STRINGS = ("dtype", "schedule", "layout", "precision")
 _MAX_SIGNATURES = 4096  # per group; cleared when full (the same on every rank that agrees)
@@ -112,6 +117,7 @@ def _size(x) -> int:
 
 
 _NO_DOCUMENTS = (0, -1)
+_MESH_BASE = 1 << 24  # the mesh field: ring ranks * _MESH_BASE + all-to-all ranks (0: 1-D)
 
 
 def _documents(cu_seqlens) -> tuple[int, object]:
@@ -128,8 +134,9 @@ def _is_fake(x) -> bool:
 
 
 def signature(q, k, *, schedule: str, is_causal: bool, precision: str, scale: float,
-              cu_seqlens=None, window=None, world: int = 1) -> tuple:
-    """The values of ``FIELDS`` for one call (``schedule="auto"`` resolved to the one it runs)."""
+              cu_seqlens=None, window=None, world: int = 1, mesh=None) -> tuple:
+    """The values of ``FIELDS`` for one call (``schedule="auto"`` resolved to the one it runs).
+    ``mesh``: (ring ranks, all-to-all ranks) of a 2-D mesh; None: a 1-D one."""
     batch, q_heads, local_len, head_dim = map(_size, q.shape)
     kv_heads = _size(k.shape[1])
     sched = get_schedule(schedule)
@@ -137,13 +144,16 @@ def signature(q, k, *, schedule: str, is_causal: bool, precision: str, scale: fl
         sched = SCHEDULES[AUTO.choose(q_heads, kv_heads, local_len, world, is_causal, window)]
     return (batch, local_len, q_heads, kv_heads, head_dim, str(q.dtype), sched.name,
             sched.layout.name, bool(is_causal), precision, float(scale), *_documents(cu_seqlens),
-            *((-1, -1) if window is None else tuple(window)))
+            *((-1, -1) if window is None else tuple(window)),
+            _MESH_BASE * mesh[0] + mesh[1] if mesh else 0)
 
 
 def check(group: dist.ProcessGroup, q, k, *, schedule: str, is_causal: bool, precision: str,
-          scale: float, cu_seqlens=None, window=None) -> None:
+          scale: float, cu_seqlens=None, window=None, mesh=None) -> None:
     """Raise ``ValueError`` on every rank of ``group`` unless all ranks call with this signature
-    (see the module docstring); a no-op for a signature this group has checked already."""
+    (see the module docstring); a no-op for a signature this group has checked already.
+    ``mesh``: (ring ranks, all-to-all ranks) of a call on a 2-D mesh, whose ``group`` holds all of
+    its ranks (``mesh.SequenceMesh.check_group``)."""
     if _mode == "off":
         return
     seen = _checked.get(group)
@@ -155,15 +165,16 @@ def check(group: dist.ProcessGroup, q, k, *, schedule: str, is_causal: bool, pre
     if _is_fake(q) and any(isinstance(n, torch.SymInt) for n in (*q.shape, *k.shape)):
         key = sig = signature(q, k, schedule=schedule, is_causal=is_causal, precision=precision,
                               scale=scale, cu_seqlens=cu_seqlens, window=window,
-                              world=world)  # symbolic sizes: unhashable
+                              world=world, mesh=mesh)  # symbolic sizes: unhashable
     else:  # the raw arguments, cheaper than the signature; the same traced and eagerly
         key = (q.shape, k.shape, q.dtype, schedule, is_causal, precision, scale,
-               _NO_DOCUMENTS if cu_seqlens is None else _documents(cu_seqlens), window)
+               _NO_DOCUMENTS if cu_seqlens is None else _documents(cu_seqlens), window, mesh)
     if _mode == "new" and key in seen:
         return
     if sig is None:
         sig = signature(q, k, schedule=schedule, is_causal=is_causal, precision=precision,
-                        scale=scale, cu_seqlens=cu_seqlens, window=window, world=world)
+                        scale=scale, cu_seqlens=cu_seqlens, window=window, world=world,
+                        mesh=mesh)
     with _outside_tracing():
         rows = _all_gather(group, [_encode(v) for v in sig], q.device)
     if any(row != rows[0] for row in rows):
@@ -200,6 +211,8 @@ def _decode(field: str, value: int) -> str:
         return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     if field == "document_boundaries":
         return "none" if value == -1 else f"hash {value:#x}"
+    if field == "mesh":
+        return "1-D" if value == 0 else "{} x {}".format(*divmod(value, _MESH_BASE))
     return repr(value)
 
 

@@ -13,12 +13,16 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils.flop_counter import register_flop_formula
 
 from . import ops  # noqa: F401 - registers torch.ops.dtensor_ring
+from .hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
 
 
-def _products(q_shape, group_name) -> int:
-    """B * Hq * S_q * S_k * D: one matmul's multiply-adds over the whole sequence."""
+def _products(q_shape, *group_names) -> int:
+    """B * Hq * S_q * S_k * D: one matmul's multiply-adds over the whole sequence (on a 2-D mesh
+    the ring's and the all-to-all's groups: S_k = W_ring * W_a2a * S_local)."""
     batch, heads, local_len, head_dim = q_shape
-    world = _resolve_process_group(group_name).size()
+    world = 1
+    for name in group_names:
+        world *= _resolve_process_group(name).size()
     return batch * heads * local_len * (world * local_len) * head_dim
 
 
@@ -31,3 +35,14 @@ def ring_attention_fwd_flops(q_shape, k_shape, v_shape, group_name, *args, **kwa
 def ring_attention_bwd_flops(dout_shape, q_shape, *args, **kwargs) -> int:
     group_name = args[4]  # after k, v, out, lse
     return 5 * 2 * _products(q_shape, group_name)
+
+
+@register_flop_formula(torch.ops.dtensor_ring.hybrid_attention_fwd)
+def hybrid_attention_fwd_flops(q_shape, k_shape, v_shape, outer_group, inner_group, *args,
+                               **kwargs) -> int:
+    return 2 * 2 * _products(q_shape, outer_group, inner_group)
+
+
+@register_flop_formula(torch.ops.dtensor_ring.hybrid_attention_bwd)
+def hybrid_attention_bwd_flops(dout_shape, q_shape, *args, **kwargs) -> int:
+    return 5 * 2 * _products(q_shape, args[4], args[5])  # after k, v, out, lse

@@ -1,12 +1,14 @@
 """Moving whole sequences to and from a layout: ``shard_sequence``, ``unshard_sequence``,
-``sequence_positions``; with ``cu_seqlens``, in the layout's per-document form (``documents.py``)."""
+``sequence_positions``; with ``cu_seqlens``, in the layout's per-document form (``documents.py``).
+On a 2-D mesh (ring ranks, all-to-all ranks) the layout is the hybrid one (``hybrid/layout.py``):
+the named layout over the ring ranks, each shard cut contiguously over the all-to-all ranks."""
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .documents import documents, within_document
+from .hybrid.layout import placed_layout
 from .layouts import Layout, get_layout
-from .mesh import check_device, resolve_group
+from .mesh import check_device, resolve_mesh
 from .validation import check_tensor, normalize_dim
 
 
@@ -17,9 +19,11 @@ def rank_major_positions(layout: Layout, seq_len: int, world_size: int,
     return torch.cat([layout.positions(local, r, world_size, docs) for r in range(world_size)])
 
 
-def _group_of(mesh):
-    group = resolve_group(mesh)
-    return dist.get_rank(group), dist.get_world_size(group), group
+def _placed(mesh, layout: str):
+    """(the layout on ``mesh``, this rank's place in it, the mesh's size, the mesh)."""
+    seq_mesh = resolve_mesh(mesh)
+    lay = placed_layout(get_layout(layout), *seq_mesh.shape)
+    return lay, seq_mesh.rank, seq_mesh.world_size, seq_mesh
 
 
 def _documents(cu_seqlens, layout, seq_len, world, device):
@@ -33,8 +37,8 @@ def shard_sequence(x: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag", 
     ``cu_seqlens`` (packed documents), in the layout's per-document form."""
     check_tensor(x, "x")
     check_device(mesh, x, "x")
-    dim, lay = normalize_dim(x, dim), get_layout(layout)
-    rank, world, _ = _group_of(mesh)
+    dim = normalize_dim(x, dim)
+    lay, rank, world, _ = _placed(mesh, layout)
     lay.check_global_len(x.shape[dim], world, f"x.shape[{dim}]")
     docs = _documents(cu_seqlens, lay, x.shape[dim], world, x.device)
     index = lay.positions(x.shape[dim] // world, rank, world, docs).to(x.device)
@@ -46,12 +50,16 @@ def unshard_sequence(x_local: torch.Tensor, mesh, dim: int = 2, layout: str = "z
     """The whole sequence in natural order, on every rank (differentiable)."""
     check_tensor(x_local, "x_local")
     check_device(mesh, x_local, "x_local")
-    dim, lay = normalize_dim(x_local, dim), get_layout(layout)
-    _, world, group = _group_of(mesh)
+    dim = normalize_dim(x_local, dim)
+    lay, _, world, seq_mesh = _placed(mesh, layout)
     lay.check_local_len(x_local.shape[dim], f"x_local.shape[{dim}]")
     docs = _documents(cu_seqlens, lay, x_local.shape[dim] * world, world, x_local.device)
-    # The differentiable all-gather (torch.distributed.nn's is deprecated): rank-major along dim.
-    gathered = funcol.all_gather_tensor_autograd(x_local.contiguous(), dim, group)
+    # The differentiable all-gather (torch.distributed.nn's is deprecated): rank-major along dim;
+    # on a 2-D mesh the inner ranks' shards first, then the outer ranks': flat-rank order.
+    gathered = x_local.contiguous()
+    for group in (seq_mesh.inner, seq_mesh.outer):
+        if group is not None:
+            gathered = funcol.all_gather_tensor_autograd(gathered, dim, group)
     return from_rank_major(gathered, lay, world, dim, docs)
 
 
@@ -68,8 +76,7 @@ def sequence_positions(seq_len: int, mesh, layout: str = "zigzag", device=None, 
     ``cu_seqlens`` each token's position within its document."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int):
         raise TypeError(f"seq_len must be an int; got {seq_len!r}")
-    lay = get_layout(layout)
-    rank, world, _ = _group_of(mesh)
+    lay, rank, world, _ = _placed(mesh, layout)
     lay.check_global_len(seq_len, world)
     docs = _documents(cu_seqlens, lay, seq_len, world, torch.device(device or "cpu"))
     positions = lay.positions(seq_len // world, rank, world, docs)

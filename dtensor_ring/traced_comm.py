@@ -5,9 +5,9 @@ of custom ops around the eager one,
     received = dtensor_ring::wait_exchange(handle, tensors, kind, world_size) # its result
 
 ``kind`` names the ``ProcessGroupComm`` operation run inside ("send_recv_next", "send_recv",
-"all_gather", "reduce_scatter"; "send_recv", the sliding-window exchange, also takes its offset and
-the received tensors' shapes, flattened in ``recv_sizes``), so a compiled ring exchanges exactly as
-an eager one does: the K/V (or dK/dV)
+"all_gather", "reduce_scatter", and the hybrid's "all_to_all"; "send_recv", the sliding-window
+exchange, also takes its offset and the received tensors' shapes, flattened in ``recv_sizes``), so
+a compiled ring exchanges exactly as an eager one does: the K/V (or dK/dV)
 of a ring step in one NCCL group, then the head start that lets NCCL onto the GPU before the
 step's attention kernel (``comm.NCCL_HEAD_START_CYCLES``), and each exchange where the schedule
 posts it.
@@ -43,7 +43,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm import ProcessGroupComm, _Done
 
-KINDS = ("send_recv_next", "send_recv", "all_gather", "reduce_scatter")  # ProcessGroupComm's
+KINDS = ("send_recv_next", "send_recv", "all_gather", "reduce_scatter",
+         "all_to_all")  # ProcessGroupComm's
 _LISTS = ("send_recv_next", "send_recv")  # the kinds that send and receive a list of tensors
 _IN_FLIGHT = "_dtensor_ring_exchange"
 _TAGS = (torch.Tag.flexible_layout,)
@@ -97,8 +98,9 @@ def _(handle, tensors, kind, world_size, recv_sizes=None):
     if kind == "send_recv":
         return [t.new_empty(shape) for t, shape in zip(tensors, _shapes(recv_sizes, tensors))]
     (tensor,) = tensors
-    return [tensor.new_empty((world_size, *tensor.shape) if kind == "all_gather"
-                             else tensor.shape[1:])]
+    shapes = {"all_gather": (world_size, *tensor.shape), "reduce_scatter": tensor.shape[1:],
+              "all_to_all": tensor.shape}
+    return [tensor.new_empty(shapes[kind])]
 
 
 # Neither may be dropped from a graph whose results look unused: a rank that skipped an exchange
@@ -146,3 +148,8 @@ class TracedComm:
 
     def reduce_scatter(self, tensor):
         return self._post([tensor], "reduce_scatter")
+
+    def all_to_all(self, tensor):
+        if self.world_size == 1:
+            return _Done(tensor)
+        return self._post([tensor], "all_to_all")

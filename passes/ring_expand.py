@@ -28,6 +28,12 @@ reach one ``send_recv`` post/wait pair (the K/V rows within reach straight to an
 at that offset); offsets no query reaches have no exchange at all (``tests/test_ring_expand.py``
 pins which).
 
+On a 2-D mesh the node is ``dtensor_ring::hybrid_attention_fwd`` / ``_bwd`` (no window) and both
+levels expand: the all-to-all over heads as ``all_to_all`` post/wait pairs on the inner group,
+then the outer schedule's steps as above on the outer group, per head piece
+(``dtensor_ring/hybrid/schedule.py``; ``tests/test_ring_expand.py`` pins a 2 x 2 forward and
+backward).
+
 The rank and world size come from the process group named in the node, so the result is specific to
 this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph cache never hands one
 rank's graph to another, and every process group's name and members: the node names its group,
@@ -52,45 +58,65 @@ import torch.distributed as dist
 from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
-from torch.distributed.distributed_c10d import _resolve_process_group, _world
+from torch.distributed.distributed_c10d import _world
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dtensor_ring
-from dtensor_ring.traced_comm import TracedComm
 from dtensor_ring.dtensor.registry import sequence_schedules_key
+from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
+from dtensor_ring.hybrid.comm import traced_comms
+from dtensor_ring.hybrid.schedule import placed_schedule
 from dtensor_ring.ops import schedule_call
 
 VERSION = "ring_expand-2"
 COUNTERS: collections.Counter = collections.Counter()
 
 
+# The nodes expanded: op -> (forward?, how many process-group names lead its options).
+_TARGETS = {
+    torch.ops.dtensor_ring.ring_attention_fwd.default: (True, 1),
+    torch.ops.dtensor_ring.ring_attention_bwd.default: (False, 1),
+    # the hybrid's (dtensor_ring/hybrid/ops.py): the ring's group, the all-to-all's, the whole
+    # mesh's (for the agreement check at trace time only); its all-to-all expands too
+    torch.ops.dtensor_ring.hybrid_attention_fwd.default: (True, 3),
+    torch.ops.dtensor_ring.hybrid_attention_bwd.default: (False, 3),
+}
+
+
 def _schedule_fn(node, after):
     """The schedule call this node stands for, as a function of its tensor arguments (with
-    packed documents, their boundaries follow: a graph input, not a constant; then ``after``, the
-    last ring shift's handle before it, if any). It returns the schedule's results and the handle
-    of its own last ring shift (or ``after``; None if neither)."""
-    forward = node.target is torch.ops.dtensor_ring.ring_attention_fwd.default
+    packed documents, their boundaries follow: a graph input, not a constant; then the handles of
+    ``after`` (process group name -> the last exchange posted on it before this node, a graph
+    node), one per group that has one). It returns the schedule's results, then its own last
+    handle for each group in ``posted`` (filled while it is traced) and that list."""
+    forward, n_groups = _TARGETS[node.target]
     n_tensors = 3 if forward else 6
     tensors, options = list(node.args[:n_tensors]), node.args[n_tensors:]
-    (group_name, schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen,
-     window_left, window_right) = options
-    group = _resolve_process_group(group_name)
+    groups, options = options[:n_groups], options[n_groups:]
+    exchanged = groups[:2]  # the ring's (and the all-to-all's); not the whole mesh's
+    # window: (left, right) on a 1-D mesh's node; a 2-D mesh's has none
+    schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen, *window = options
     q = tensors[0 if forward else 1].meta["val"]
     has_docs = cu_seqlens is not None
-    tensors += ([cu_seqlens] if has_docs else []) + ([after] if after is not None else [])
+    chained = [g for g in exchanged if g in after]
+    tensors += ([cu_seqlens] if has_docs else []) + [after[g] for g in chained]
+    posted = []  # the groups whose last handles follow the results
 
     def call(*args):
         args = list(args)
-        token = args.pop() if after is not None else None
+        tokens = dict(zip(chained, args[len(args) - len(chained):]))
+        del args[len(args) - len(chained):]
         cu = args.pop() if has_docs else None
-        comm = TracedComm(group_name, dist.get_rank(group), dist.get_world_size(group), token)
-        sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen,
-                                      window_left, window_right)
+        comm, per_group = traced_comms(exchanged, tokens)
+        sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen, *window)
+        if n_groups > 1:
+            sched = placed_schedule(sched, comm.outer.world_size, comm.inner.world_size)
         run = sched.forward if forward else sched.backward
         results = run(comm, *args, is_causal=is_causal, scale=scale, **kwargs)
-        return (*results, *([comm.last] if comm.last is not None else []))
+        posted[:] = [name for name, c in zip(exchanged, per_group) if c.last is not None]
+        return (*results, *(c.last for c in per_group if c.last is not None))
 
-    return tensors, call
+    return tensors, call, posted
 
 
 def _inline(graph, node, sub, tensors):
@@ -108,10 +134,10 @@ def _inline(graph, node, sub, tensors):
     raise AssertionError("traced schedule has no output")
 
 
-def _expand(graph, node, after):
-    """Expand ``node``; returns the handle of the last ring shift posted so far in the graph on
-    its process group (``after`` if it posts none)."""
-    tensors, fn = _schedule_fn(node, after)
+def _expand(graph, node, after) -> None:
+    """Expand ``node``; ``after``: process group name -> the handle of the last exchange posted
+    on it so far in the graph, updated with this node's."""
+    tensors, fn, posted = _schedule_fn(node, after)
     example = [t.meta["val"] for t in tensors]
     with detect_fake_mode(example) or torch._subclasses.FakeTensorMode():
         # Inductor's own decompositions: a post-grad graph may only hold ops inductor lowers.
@@ -124,25 +150,23 @@ def _expand(graph, node, after):
         user.replace_all_uses_with(results[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
-    n_results = 2 if node.target is torch.ops.dtensor_ring.ring_attention_fwd.default else 3
-    return results[n_results] if len(results) > n_results else after
+    after.update(zip(posted, results[len(results) - len(posted):]))
 
 
 def expand_ring_attention(graph: torch.fx.Graph) -> int:
-    """Expand every ring-attention node of ``graph`` in place; returns how many were expanded."""
-    targets = (torch.ops.dtensor_ring.ring_attention_fwd.default,
-               torch.ops.dtensor_ring.ring_attention_bwd.default)
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+    """Expand every ring-attention node of ``graph`` in place; returns how many were expanded.
+    Every exchange on a process group is posted after the one before it in graph order, across
+    nodes (``traced_comm.py``: inductor must not reorder them)."""
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _TARGETS]
     if not nodes:
         COUNTERS["graphs_without_ring_attention"] += 1  # nothing of ours here: leave it untouched
         return 0
-    backward_graph = any(n.target is targets[1] for n in nodes)
-    last_shift = {}  # process group -> the handle of the last ring shift posted on it, in order
+    backward_graph = any(not _TARGETS[n.target][0] for n in nodes)
+    last_posted = {}  # process group name -> the handle of the last exchange posted on it
     for node in nodes:
-        group = node.args[3 if node.target is targets[0] else 6]
-        last_shift[group] = _expand(graph, node, last_shift.get(group))
+        _expand(graph, node, last_posted)
         COUNTERS[f"expanded_{node.target.overloadpacket.__name__}"] += 1
-        if backward_graph and node.target is targets[0]:
+        if backward_graph and _TARGETS[node.target][0]:
             # A ring forward in a backward graph: activation checkpointing's recompute, which
             # communicates again (zero under dr.save_ring_attention_context).
             COUNTERS["recomputed_ring_attention_fwd"] += 1

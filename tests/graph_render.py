@@ -25,7 +25,8 @@ def _kind(node):
     return None
 
 
-def render(graph: torch.fx.Graph) -> str:
+def render(graph: torch.fx.Graph, groups: dict | None = None) -> str:
+    """``groups``: process-group name -> label, shown after each collective on that group."""
     lines, folded = [], 0
     for node in graph.nodes:
         if node.op != "call_function":
@@ -41,8 +42,9 @@ def render(graph: torch.fx.Graph) -> str:
         if kind == "comm":  # post_exchange(tensors, after, kind, group): the kind, shapes sent
             sent = ", ".join(_shape(a) for a in node.args[0])
             offset = node.args[4] if len(node.args) > 4 else node.kwargs.get("offset", 0)
+            where = f" @{groups[node.args[3]]}" if groups and node.args[3] in groups else ""
             # send_recv (sliding windows): to rank + offset, from rank - offset
-            lines.append(f"{node.args[2]}({sent}{f', offset {offset}' if offset else ''})")
+            lines.append(f"{node.args[2]}({sent}{f', offset {offset}' if offset else ''}){where}")
         elif kind == "wait":  # wait_exchange(...) -> the tensors received
             lines.append(f"wait({', '.join(_shape_of(v) for v in node.meta['val'])})")
         else:

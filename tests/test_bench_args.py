@@ -63,3 +63,12 @@ def test_triton_tune_parts_parsed_and_checked(capsys):
         triton_tune.parse_args(["--parts", "dkdv,dk", "--out", "x.json"])
     err = capsys.readouterr().err
     assert "argument --parts: has 'dk'; valid: ['forward', 'dkdv', 'dq']" in err
+
+
+def test_mesh_parsed_as_ring_by_all_to_all_ranks(capsys):
+    assert speed.parse_args(["--mesh", "2x2"]).mesh == (2, 2)
+    assert speed.parse_args([]).mesh is None
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--mesh", "2by2"])
+    assert "argument --mesh: '2by2' is not OxI (ring ranks x all-to-all ranks" in (
+        capsys.readouterr().err)

@@ -200,9 +200,11 @@ def _style_errors(mesh, failures):
     replicated = parallelize_module(_ReplicatedAttention(mesh), mesh, dr.ContextParallel("ring"))
     expect_error(failures, "replicated DTensor SDPA inside the module", ValueError,
             lambda: replicated(x), "Shard(2)")
-    mesh2d = init_device_mesh("cpu", (2, mesh.size() // 2), mesh_dim_names=("tp", "cp"))
-    expect_error(failures, "a 2-D mesh", ValueError,
-            lambda: parallelize_module(_base_model(), mesh2d, dr.ContextParallel()), "1-D")
+    # 2-D meshes are (ring, all-to-all) ones (test_hybrid_gloo.py); a 3-D one is refused
+    mesh3d = init_device_mesh("cpu", (1, 2, mesh.size() // 2), mesh_dim_names=("tp", "cp", "x"))
+    expect_error(failures, "a 3-D mesh", ValueError,
+            lambda: parallelize_module(_base_model(), mesh3d, dr.ContextParallel()), "1-D",
+            "2-D one (ring, all-to-all")
     # A failed forward leaves no SDPA mode behind: plain SDPA still runs locally.
     q = torch.randn(1, 1, 4, 8)
     torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q),

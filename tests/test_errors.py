@@ -75,13 +75,14 @@ def test_zigzag_needs_an_even_local_length(mesh):
     _ring(mesh, *_qkv((1, 4, 7, 16), (1, 2, 7, 16)), schedule="stripe")  # any length is fine
 
 
-def test_mesh_must_be_one_dimensional_or_a_group(mesh):
-    mesh_2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp"))
-    with pytest.raises(ValueError, match=r"mesh must be a 1-D DeviceMesh; got a 2-D mesh .*\('dp', 'cp'\).*mesh\['cp'\]"):
-        _ring(mesh_2d, *_qkv())
+def test_mesh_must_be_one_or_two_dimensional_or_a_group(mesh):
+    mesh_3d = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "cp_ring", "cp_a2a"))
+    with pytest.raises(ValueError, match=r"mesh must be a 1-D DeviceMesh \(the ring\) or a 2-D one \(ring x all-to-all\); got a 3-D mesh .*\('dp', 'cp_ring', 'cp_a2a'\).*mesh\['cp_ring', 'cp_a2a'\]"):
+        _ring(mesh_3d, *_qkv())
     with pytest.raises(TypeError, match="mesh must be a 1-D DeviceMesh or a ProcessGroup; got str"):
         _ring("cp", *_qkv())
-    _ring(mesh_2d["cp"], *_qkv())
+    _ring(mesh_3d["cp_ring", "cp_a2a"], *_qkv())  # 2-D: ring x all-to-all (here 1 x 1)
+    _ring(mesh_3d["cp_ring"], *_qkv())
     _ring(dist.group.WORLD, *_qkv())
 
 

@@ -8,11 +8,14 @@ elementwise/view ops between them folded into counts. Refresh with EXPECTTEST_AC
 import expecttest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dtensor_ring  # noqa: F401 - registers the ops
 from dtensor_ring import ops
+from dtensor_ring.hybrid import ops as hybrid_ops
+from dtensor_ring.mesh import resolve_mesh
 from dtensor_ring.passes import COUNTERS, expand_ring_attention
 from graph_render import render
 
@@ -44,6 +47,27 @@ def expanded(schedule, is_causal, backward, documents=False, window=(-1, -1)):
     boundaries = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     assert bool(boundaries.users) == documents  # the expansion reads them from the input
     return render(gm.graph)
+
+
+def expanded_hybrid(backward):
+    """The rendered graph of one hybrid node (2 x 2 mesh, zigzag ring; 8/4 heads: two pieces
+    per inner rank) after the pass; each collective says which group it runs on."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_ring", "cp_a2a"))
+    seq_mesh = resolve_mesh(mesh)
+    groups = tuple(g.group_name for g in (seq_mesh.outer, seq_mesh.inner, seq_mesh.whole))
+    options = (*groups, "zigzag", True, 0.25, "cpu_flash", "fp32", None, 0)
+    q, kv = torch.randn(1, 8, 8, 8), torch.randn(1, 4, 8, 8)
+    if backward:
+        gm = make_fx(lambda d, a, b, c, o, lse: hybrid_ops.hybrid_attention_bwd(
+            d, a, b, c, o, lse, *options), tracing_mode="fake")(
+                q, q, kv, kv, q, torch.randn(1, 8, 8))
+    else:
+        gm = make_fx(lambda a, b, c: hybrid_ops.hybrid_attention_fwd(a, b, c, *options),
+                     tracing_mode="fake")(q, kv, kv)
+    assert expand_ring_attention(gm.graph) == 1
+    assert not any("attention" in str(n.target) and "dtensor_ring" in str(n.target)
+                   for n in gm.graph.nodes)
+    return render(gm.graph, {groups[0]: "ring", groups[1]: "a2a"})
 
 
 class RingExpandTest(expecttest.TestCase):
@@ -621,6 +645,166 @@ class PassPlumbingTest(expecttest.TestCase):
     @classmethod
     def tearDownClass(cls):
         dist.destroy_process_group()
+
+    def test_hybrid_forward(self):
+        """Both levels: piece 0's q/k/v all-to-all, piece 1's posted before piece 0's ring (its
+        K/V shift on the ring group, its blocks), piece 0's output sent back while piece 1 is
+        attended, piece 1's output last."""
+        self.assertExpectedInline(expanded_hybrid(False), """\
+  (4 ops)
+all_to_all(2x8x1x2x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x1x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x1x8) @a2a
+wait(2x8x1x2x8)
+  (3 ops)
+wait(2x8x1x1x8)
+  (3 ops)
+wait(2x8x1x1x8)
+  (7 ops)
+all_to_all(2x8x1x2x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x1x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x1x8) @a2a
+send_recv_next(1x1x16x8, 1x1x16x8) @ring
+  (3 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x16x8, 1x1x16x8, 1x1x16x8, causal)
+  (3 ops)
+wait(1x1x16x8, 1x1x16x8)
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x8x8, 1x1x16x8, 1x1x16x8, full)
+  (33 ops)
+all_to_all(2x1x2x8x8) @a2a
+  (3 ops)
+all_to_all(2x1x2x8) @a2a
+wait(2x8x1x2x8)
+  (3 ops)
+wait(2x8x1x1x8)
+  (3 ops)
+wait(2x8x1x1x8)
+  (3 ops)
+send_recv_next(1x1x16x8, 1x1x16x8) @ring
+  (3 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x16x8, 1x1x16x8, 1x1x16x8, causal)
+  (3 ops)
+wait(1x1x16x8, 1x1x16x8)
+  (5 ops)
+_scaled_dot_product_flash_attention_for_cpu(1x2x8x8, 1x1x16x8, 1x1x16x8, full)
+  (28 ops)
+wait(2x1x2x8x8)
+  (8 ops)
+wait(2x1x2x8)
+  (11 ops)
+all_to_all(2x1x2x8x8) @a2a
+  (3 ops)
+all_to_all(2x1x2x8) @a2a
+wait(2x1x2x8x8)
+  (8 ops)
+wait(2x1x2x8)
+  (8 ops)""")
+
+    def test_hybrid_backward(self):
+        self.assertExpectedInline(expanded_hybrid(True), """\
+  (5 ops)
+all_to_all(2x8x1x2x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x2x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x1x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x1x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x2x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x2x1) @a2a
+wait(2x8x1x2x8)
+  (3 ops)
+wait(2x8x1x2x8)
+  (3 ops)
+wait(2x8x1x1x8)
+  (3 ops)
+wait(2x8x1x1x8)
+  (3 ops)
+wait(2x8x1x2x8)
+  (3 ops)
+wait(2x8x1x2x1)
+  (7 ops)
+all_to_all(2x8x1x2x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x2x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x1x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x1x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x2x8) @a2a
+  (4 ops)
+all_to_all(2x8x1x2x1) @a2a
+  (2 ops)
+send_recv_next(1x1x16x8, 1x1x16x8) @ring
+  (6 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x8x8, 1x1x8x8, 1x2x8x8, 1x2x8, full)
+  (3 ops)
+wait(1x1x16x8, 1x1x16x8)
+  (12 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x16x8, 1x1x16x8, 1x2x8x8, 1x2x8, full)
+  (7 ops)
+send_recv_next(1x1x16x8, 1x1x16x8) @ring
+  (18 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x16x8, 1x1x16x8, 1x2x8x8, 1x2x8, mask)
+  (35 ops)
+wait(1x1x16x8, 1x1x16x8)
+  (48 ops)
+all_to_all(2x1x2x8x8) @a2a
+  (2 ops)
+all_to_all(2x1x1x8x8) @a2a
+  (2 ops)
+all_to_all(2x1x1x8x8) @a2a
+wait(2x8x1x2x8)
+  (3 ops)
+wait(2x8x1x2x8)
+  (3 ops)
+wait(2x8x1x1x8)
+  (3 ops)
+wait(2x8x1x1x8)
+  (3 ops)
+wait(2x8x1x2x8)
+  (3 ops)
+wait(2x8x1x2x1)
+  (5 ops)
+send_recv_next(1x1x16x8, 1x1x16x8) @ring
+  (6 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x8x8, 1x1x8x8, 1x2x8x8, 1x2x8, full)
+  (3 ops)
+wait(1x1x16x8, 1x1x16x8)
+  (12 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x16x8, 1x1x16x8, 1x2x8x8, 1x2x8, full)
+  (7 ops)
+send_recv_next(1x1x16x8, 1x1x16x8) @ring
+  (18 ops)
+_scaled_dot_product_flash_attention_for_cpu_backward(1x2x8x8, 1x2x8x8, 1x1x16x8, 1x1x16x8, 1x2x8x8, 1x2x8, mask)
+  (35 ops)
+wait(1x1x16x8, 1x1x16x8)
+  (42 ops)
+wait(2x1x2x8x8)
+  (8 ops)
+wait(2x1x1x8x8)
+  (8 ops)
+wait(2x1x1x8x8)
+  (11 ops)
+all_to_all(2x1x2x8x8) @a2a
+  (2 ops)
+all_to_all(2x1x1x8x8) @a2a
+  (2 ops)
+all_to_all(2x1x1x8x8) @a2a
+wait(2x1x2x8x8)
+  (8 ops)
+wait(2x1x1x8x8)
+  (8 ops)
+wait(2x1x1x8x8)
+  (8 ops)""")
 
     def test_graph_without_ring_attention_is_untouched(self):
         def plain(q, k, v):

@@ -26,9 +26,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import ops
+from ..hybrid import ops as hybrid_ops
 from ..kernels import get_kernel
 from ..layouts import get_layout
 from ..layouts.windows import check_window, effective_window, window_args
+from ..mesh import whole_group
 from ..validation import check_options, check_qkv
 from .kept_out import keep, kept
 from .local_attention import local_backward, local_forward
@@ -90,17 +92,44 @@ def _options(plan: SdpaPlan, spec, a, lq):
     # The registered window (SDPA has no argument for one), over the global sequence.
     window = effective_window(check_window(plan.entry.window), a["is_causal"],
                               lq.shape[2] * plan.world_size)
+    if window is not None and plan.inner_mesh_dim is not None:
+        raise ValueError(f"window={window} with a 2-D sequence sharding (mesh dims "
+                         f"{plan.seq_mesh_dim}, {plan.inner_mesh_dim}): sliding windows run on a "
+                         "1-D one (the hybrid schedule takes none)")
     kernel = get_kernel(plan.entry.backend, lq.device, lq.dtype, lq.shape[-1],
                         plan.entry.precision, window=window is not None)
     return dict(is_causal=a["is_causal"], scale=scale, kernel=kernel, window=window)
 
 
 def _op_options(plan: SdpaPlan, a, options) -> tuple:
-    """The trailing arguments of ``ops.ring_attention_fwd/bwd``: one graph node under compile."""
-    group = plan.mesh.get_group(plan.seq_mesh_dim)
-    return (group.group_name, plan.entry.schedule, a["is_causal"], options["scale"],
-            options["kernel"].name, plan.entry.precision, None, 0,
-            *window_args(options["window"]))
+    """The trailing arguments of ``ops.ring_attention_fwd/bwd`` (or, on a 2-D sequence sharding,
+    ``hybrid_attention_fwd/bwd``, which take no window): one graph node under compile."""
+    window = window_args(options["window"]) if plan.inner_mesh_dim is None else ()
+    return (*_group_names(plan), plan.entry.schedule, a["is_causal"], options["scale"],
+            options["kernel"].name, plan.entry.precision, None, 0, *window)
+
+
+def _group_names(plan: SdpaPlan) -> tuple:
+    """The ring's process group by name; on a 2-D sequence sharding also the all-to-all's and
+    the whole sequence mesh's (``mesh.SequenceMesh``)."""
+    outer = plan.mesh.get_group(plan.seq_mesh_dim).group_name
+    if plan.inner_mesh_dim is None:
+        return (outer,)
+    dims = (plan.seq_mesh_dim, plan.inner_mesh_dim)
+    names = plan.mesh.mesh_dim_names
+    if not names and plan.mesh.ndim != 2:
+        raise ValueError(f"a 2-D sequence sharding on a {plan.mesh.ndim}-D mesh needs the mesh's "
+                         "dimension names (init_device_mesh(..., mesh_dim_names=...))")
+    sequence_mesh = plan.mesh[tuple(names[i] for i in dims)] if names else plan.mesh
+    return (outer, plan.mesh.get_group(plan.inner_mesh_dim).group_name,
+            whole_group(sequence_mesh).group_name)
+
+
+def _ring_ops(plan: SdpaPlan):
+    """The custom ops (forward, backward) of the plan's schedule."""
+    if plan.inner_mesh_dim is None:
+        return ops.ring_attention_fwd, ops.ring_attention_bwd
+    return hybrid_ops.hybrid_attention_fwd, hybrid_ops.hybrid_attention_bwd
 
 
 def _local_layout_args(plan: SdpaPlan) -> dict:
@@ -115,7 +144,7 @@ def _forward(plan, spec, a):
         check_qkv(lq, lk, lv)
     options = _options(plan, spec, a, lq)
     if plan.ring:
-        out, lse = ops.ring_attention_fwd(lq, lk, lv, *_op_options(plan, a, options))
+        out, lse = _ring_ops(plan)[0](lq, lk, lv, *_op_options(plan, a, options))
     else:
         out, lse = local_forward(lq, lk, lv, **_local_layout_args(plan), **options)
     # Exact kernels return an fp32 out; SDPA's op returns the input dtype, and its backward
@@ -149,7 +178,7 @@ def _backward(plan, spec, a):
     lout = _local(out).contiguous() if fp32_out is None else fp32_out
     locals_ = (_local(grad).contiguous(), lq, lk, lv, lout, _local(lse))
     if plan.ring:
-        dq, dk, dv = ops.ring_attention_bwd(*locals_, *_op_options(plan, a, options))
+        dq, dk, dv = _ring_ops(plan)[1](*locals_, *_op_options(plan, a, options))
         kv_placements = k.placements
     else:
         dq, dk, dv = local_backward(*locals_, **_local_layout_args(plan), **options)

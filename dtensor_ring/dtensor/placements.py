@@ -8,6 +8,11 @@ The rule takes SDPA whose query is ``Shard(2)`` (sequence) on exactly one mesh d
 * key/value ``Replicate`` there     -> purely local attention of the query shard against all keys
   (no communication), output ``Shard(2)``, key/value gradients ``Partial``.
 
+On a 2-D context-parallel mesh q, k and v are ``Shard(2)`` on two mesh dimensions: the first the
+ring's (its registered schedule runs there), the second the all-to-all's (``dtensor_ring/hybrid/``),
+output ``Shard(2)`` on both (the hybrid layout: the first dimension's layout, each shard cut
+contiguously over the second -- DTensor's own nesting of two ``Shard(2)``).
+
 Every other mesh dimension must place q, k and v alike as ``Replicate``, ``Shard(0)`` (batch) or
 ``Shard(1)`` (heads); it passes through, since attention is independent per batch row and head.
 Anything else with a sequence-sharded input is an error; inputs with no sequence sharding (and no
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..hybrid.layout import placed_layout
 from ..layouts import get_layout
 from .registry import (_ENTRIES, SequenceSharding, dim_key, dim_label, get_sequence_schedule,
                        guard_entries)
@@ -32,10 +38,15 @@ class SdpaPlan:
     seq_mesh_dim: int
     ring: bool                # False: key/value replicated on the sequence dimension
     entry: SequenceSharding
+    inner_mesh_dim: int | None = None  # the all-to-all's, on a 2-D sequence sharding
 
     @property
     def world_size(self) -> int:
-        return self.mesh.size(self.seq_mesh_dim)
+        return self.mesh.size(self.seq_mesh_dim) * self.inner_size
+
+    @property
+    def inner_size(self) -> int:
+        return 1 if self.inner_mesh_dim is None else self.mesh.size(self.inner_mesh_dim)
 
 
 def _shard_dim(placement, ndim):
@@ -90,10 +101,13 @@ def plan_sdpa(q, k, v) -> SdpaPlan | None:
         raise ValueError(
             f"key/value are sequence-sharded (Shard({SEQ})) but query is not: query placements "
             f"{_describe(q)}; shard the query on the same mesh dimension as key and value")
-    if len(seq_dims["query"]) > 1:
+    if len(seq_dims["query"]) == 2:
+        return _two_dimensional_plan(named, mesh, seq_dims)
+    if len(seq_dims["query"]) > 2:
         raise ValueError(
-            f"query's sequence is sharded on several mesh dimensions {seq_dims['query']}: "
-            f"{_describe(q)}; shard it on one")
+            f"query's sequence is sharded on {len(seq_dims['query'])} mesh dimensions "
+            f"{seq_dims['query']}: {_describe(q)}; shard it on one (the ring) or two (ring x "
+            "all-to-all)")
     cp = seq_dims["query"][0]
     label = dim_label(mesh, cp)
     kv_placements = []
@@ -116,7 +130,7 @@ def plan_sdpa(q, k, v) -> SdpaPlan | None:
     if kv_placements[0] != kv_placements[1]:
         raise ValueError(f"key is {k.placements[cp]} but value is {v.placements[cp]} on mesh "
                          f"dimension {label}; they must be placed alike")
-    _check_other_dims(named, cp)
+    _check_other_dims(named, (cp,))
     entry = get_sequence_schedule(mesh, cp)
     _check_layout_tags(named, entry, mesh, cp)
     plan = SdpaPlan(mesh, cp, not kv_placements[0], entry)
@@ -124,10 +138,30 @@ def plan_sdpa(q, k, v) -> SdpaPlan | None:
     return plan
 
 
-def _check_other_dims(named: dict, cp: int) -> None:
+def _two_dimensional_plan(named: dict, mesh: DeviceMesh, seq_dims: dict) -> SdpaPlan:
+    """q/k/v sequence-sharded on two mesh dimensions: the hybrid (ring x all-to-all) plan."""
+    outer, inner = seq_dims["query"]
+    labels = f"{dim_label(mesh, outer)} and {dim_label(mesh, inner)}"
+    for name in ("key", "value"):
+        if seq_dims[name] != [outer, inner]:
+            raise ValueError(
+                f"query's sequence is sharded on mesh dimensions {labels} (ring x all-to-all) "
+                f"but {name}'s is not sharded on exactly those: {name} {_describe(named[name])}; "
+                "shard q, k and v alike (key/value replicated on a 2-D sequence sharding is not "
+                "supported)")
+    _check_other_dims(named, (outer, inner))
+    entry = get_sequence_schedule(mesh, outer)
+    _check_layout_tags(named, entry, mesh, outer)
+    plan = SdpaPlan(mesh, outer, True, entry, inner)
+    _check_lengths(named["query"], named["key"], plan)
+    return plan
+
+
+def _check_other_dims(named: dict, seq: tuple) -> None:
     q = named["query"]
+    sequence = " and ".join(dim_label(q.device_mesh, i) for i in seq)
     for i in range(q.device_mesh.ndim):
-        if i == cp:
+        if i in seq:
             continue
         label = dim_label(q.device_mesh, i)
         for name, x in named.items():
@@ -136,7 +170,7 @@ def _check_other_dims(named: dict, cp: int) -> None:
             if not (isinstance(placement, Replicate) or dim in (BATCH, HEADS)):
                 raise ValueError(
                     f"{name} is {placement} on mesh dimension {label}; with the sequence sharded "
-                    f"on {dim_label(q.device_mesh, cp)}, other mesh dimensions must be Replicate, "
+                    f"on {sequence}, other mesh dimensions must be Replicate, "
                     f"Shard({BATCH}) (batch) or Shard({HEADS}) (heads); {name}'s placements: "
                     f"{_describe(x)}")
             if name != "query" and _shard_dim(placement, x.ndim) != _shard_dim(
@@ -159,7 +193,9 @@ def _check_layout_tags(named: dict, entry: SequenceSharding, mesh: DeviceMesh, c
 
 
 def _check_lengths(q, k, plan: SdpaPlan) -> None:
-    layout, world = get_layout(plan.entry.layout), plan.world_size
+    world = plan.world_size
+    layout = placed_layout(get_layout(plan.entry.layout), world // plan.inner_size,
+                           plan.inner_size)
     layout.check_global_len(q.shape[SEQ], world, "query.shape[2] (global sequence length)")
     if plan.ring and k.shape[SEQ] != q.shape[SEQ]:
         raise ValueError(f"key has sequence length {k.shape[SEQ]} but query has {q.shape[SEQ]}; "

@@ -26,6 +26,10 @@ Applied to a module, it
    ``checkpoint_wrapper``, selective checkpointing) -- and inside checkpointed regions under
    ``torch.compile`` (``_route_submodule``, ``_checkpoint_routed``).
 
+On a 2-D mesh (ring, all-to-all), e.g. ``mesh["cp_ring", "cp_a2a"]``, the schedule runs over the
+first dimension on head groups gathered by an all-to-all over the second (``dtensor_ring/hybrid/``)
+and the inputs are sharded in that hybrid layout.
+
 Packed documents (``packed.py``): given ``cu_seqlens`` (a keyword the module's forward need not
 have) or ``position_ids`` that do not count up by one from one token to the next at each
 document's start (Hugging Face's rule), the style shards every sequence input in the layout's
@@ -60,9 +64,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from ..attention import ring_attention
+from ..hybrid.layout import placed_layout
 from ..layouts import get_layout
 from ..layouts.windows import check_window
 from ..loss import items_per_rank
+from ..mesh import resolve_mesh
 from ..schedules import get_schedule
 from ..sharding import sequence_positions, shard_sequence
 from ..validation import check_int
@@ -249,17 +255,22 @@ class ContextParallel(ParallelStyle):
         self._packed = None  # the packed documents of the last forward (packed.py)
 
     def _register(self, mesh):
-        set_sequence_schedule(mesh, self.schedule, precision=self.precision, backend=self.backend,
-                              window=self.window)
+        # On a 2-D mesh (ring, all-to-all) the schedule is the ring dimension's (hybrid/).
+        if self.window is not None and mesh.ndim == 2:
+            raise ValueError(f"window={self.window} with a 2-D mesh {mesh}: sliding windows run "
+                             "on a 1-D mesh (the hybrid schedule takes none)")
+        set_sequence_schedule(mesh, self.schedule, mesh_dim=0 if mesh.ndim == 2 else None,
+                              precision=self.precision, backend=self.backend, window=self.window)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim != 1:
+        if not isinstance(device_mesh, DeviceMesh) or device_mesh.ndim not in (1, 2):
             raise ValueError(
-                f"ContextParallel needs the 1-D sequence mesh (e.g. mesh['cp']); got "
-                f"{device_mesh!r}")
+                f"ContextParallel needs the 1-D sequence mesh (e.g. mesh['cp']) or a 2-D one "
+                f"(ring, all-to-all: mesh['cp_ring', 'cp_a2a']); got {device_mesh!r}")
         if not self._takes_transformers:
             _refuse_transformers(module)
         self._register(device_mesh)
+        resolve_mesh(device_mesh)  # a 2-D mesh's groups are found here, eagerly (mesh.py)
         params = inspect.signature(module.forward).parameters
         fill = self.position_ids is not None and self.position_ids in params
         if self.position_ids is not None and not fill:
@@ -369,12 +380,13 @@ class ContextParallel(ParallelStyle):
             if missing:
                 raise ValueError(f"seq_inputs names {missing}, which the call did not pass; "
                                  f"arguments passed: {sorted(named)}")
-        world = dist.get_world_size(mesh.get_group())
+        seq_mesh = resolve_mesh(mesh)
+        layout = placed_layout(self.layout, *seq_mesh.shape)  # itself on a 1-D mesh
         if "num_items_in_batch" in names and isinstance(named.get("labels"), torch.Tensor):
             # the whole batch's count, before sharding: each rank's loss sum / it is the
             # batch's mean once averaged over the ranks (loss.py)
-            named["num_items_in_batch"] = items_per_rank(named["labels"], world,
-                                                         named.get("num_items_in_batch"))
+            named["num_items_in_batch"] = items_per_rank(
+                named["labels"], seq_mesh.world_size, named.get("num_items_in_batch"))
         seq_len = lead = None
         for n in chosen:
             x = named[n]
@@ -384,7 +396,8 @@ class ContextParallel(ParallelStyle):
                     "name the sequence inputs with seq_inputs=(...)")
             if seq_len is None:
                 seq_len, lead = x.shape[self.seq_dim], tuple(x.shape[:self.seq_dim])
-                self.layout.check_global_len(seq_len, world, f"{n}.shape[{self.seq_dim}]")
+                layout.check_global_len(seq_len, seq_mesh.world_size,
+                                        f"{n}.shape[{self.seq_dim}]")
             elif x.shape[self.seq_dim] != seq_len:
                 raise ValueError(
                     f"input {n!r} has length {x.shape[self.seq_dim]} on seq_dim={self.seq_dim} "
@@ -392,11 +405,10 @@ class ContextParallel(ParallelStyle):
         packed = None
         if seq_len is not None and self.documents and (
                 cu_seqlens is not None or named.get(self.position_ids) is not None):
-            group = mesh.get_group()
             packed = find_documents(cu_seqlens, named.get(self.position_ids), self.seq_dim,
-                                    seq_len, self.layout, dist.get_rank(group),
-                                    dist.get_world_size(group), named[chosen[0]].device,
-                                    cu_arg=cu_arg, positions_arg=self.position_ids)
+                                    seq_len, layout, seq_mesh.rank, seq_mesh.world_size,
+                                    named[chosen[0]].device, cu_arg=cu_arg,
+                                    positions_arg=self.position_ids)
         elif cu_seqlens is not None:
             raise ValueError(f"{cu_arg} was passed to a ContextParallel module built with "
                              "documents=False (or with no sequence inputs to shard)")
@@ -453,12 +465,13 @@ def sync_gradients(module: nn.Module, mesh: DeviceMesh, *, bucket_mb: float = BU
 
     For training, prefer FSDP2 (``fully_shard``) or DDP over the data x context ranks, which
     average the gradients over both at once and overlap that with the backward (see the guide);
-    this function is for a model with context parallelism only, or for checking.
+    this function is for a model with context parallelism only, or for checking. A 2-D context-
+    parallel mesh (ring, all-to-all) is averaged over both dimensions, one after the other.
     """
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb!r} must be a positive number (MiB per bucket)")
-    group = mesh.get_group()
-    world = dist.get_world_size(group)
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    world = mesh.size()
     limit = int(bucket_mb * 2 ** 20) // 4  # fp32 elements
     buckets, filling = [], {}  # filling: device -> (its open bucket, its element count)
     for param in module.parameters():
@@ -473,7 +486,8 @@ def sync_gradients(module: nn.Module, mesh: DeviceMesh, *, bucket_mb: float = BU
         filling[grad.device] = (bucket, size + grad.numel())
     for bucket in buckets:
         flat = torch.cat([g.reshape(-1).float() for g in bucket])
-        dist.all_reduce(flat, group=group)
+        for group in groups:
+            dist.all_reduce(flat, group=group)
         flat /= world
         for grad, part in zip(bucket, flat.split([g.numel() for g in bucket])):
             grad.copy_(part.view_as(grad))
