@@ -39,7 +39,8 @@ def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_ma
                   dropout_p=dropout_p)
     sched = get_schedule(schedule)
     docs = documents(cu_seqlens, max_seqlen, seq_len,
-                     sched.layout.document_multiple(world_size), sched.layout.name, q.device)
+                     sched.layout.document_multiple(world_size), sched.layout.name, q.device,
+                     world_size)
     # Under torch.compile a head dim seen to change (the same code compiled again) becomes
     # symbolic, which resolve_backend (a constant) cannot take. operator.index makes Dynamo
     # specialise it (a guard on its value); int() and math.trunc leave it symbolic.

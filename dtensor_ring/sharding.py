@@ -24,7 +24,7 @@ def _group_of(mesh):
 
 def _documents(cu_seqlens, layout, seq_len, world, device):
     return documents(cu_seqlens, None, seq_len, layout.document_multiple(world), layout.name,
-                     device)
+                     device, world)
 
 
 def shard_sequence(x: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag", *,

@@ -262,8 +262,12 @@ def test_ring_attention_with_documents_on_4_gloo_ranks():
     ([0, 8, 12], ValueError, r"must end at the sequence length 16; got cu_seqlens\[-1\]=12"),
     ([0, 8, 8, 16], ValueError, r"must increase: document 1 .* has length 0"),
     ([0, 10, 16], ValueError, r"document 0 of cu_seqlens has length 10, which layout 'zigzag' "
-                              r"cannot split: every document's length must be a multiple of 4; "
-                              r"pad the documents with dr.pad_documents"),
+                              r"cannot split: every document it cuts across the ranks must have "
+                              r"a length that is a multiple of 4 \(here every document up to "
+                              r"the last one of at least 8 tokens is cut, and all of them unless "
+                              r"the ones after it fill the 2 ranks in row order, each the same "
+                              r"number of tokens, with balanced work\); pad the documents with "
+                              r"dr.pad_documents\(..., world_size=2\)"),
     (torch.tensor([0.0, 8.0, 16.0]), TypeError, r"cu_seqlens must be an integer tensor; got "
                                                 r"dtype torch.float32"),
     (torch.tensor([[0, 8, 16], [0, 4, 16]]), ValueError, r"cu_seqlens must be 1-D \(the same "

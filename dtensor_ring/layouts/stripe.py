@@ -18,7 +18,9 @@ W = 2, S_local = 3; global token numbers in the cells' row/column labels:
 
 Every rank does the same work at every step, and blocks need no half-size kernels.
 
-Packed documents: the same per document, each of length a multiple of W: rank r holds tokens
+Packed documents: the same per document, for the documents long enough to cut (``placement.py``:
+the others stay whole, each on one rank; this applies to the long part of the local rows), each
+of length a multiple of W: rank r holds tokens
 r, r+W, ... of every document (documents in order), so document d's local rows are
 [cu[d] / W, cu[d+1] / W). src <= rank: one causal segment per document. src > rank: the shifted
 block per document, as three segments, so that the q rows and key rows stay packed:
@@ -35,6 +37,7 @@ from .base import Block, Layout, Segments, doc_index, local_bounds, pairs, whole
 
 class Stripe(Layout):
     name = "stripe"
+    places_documents = True  # the long documents as below, the short ones whole
 
     def document_multiple(self, world_size):
         return world_size
