@@ -42,7 +42,7 @@ costs about one tile of 128 q rows x 128 keys per tile pair it touches, full or 
 document of n = 2W c tokens costs each rank 2W x^2 + x tile pairs for x = c / 128 >= 1, exactly what
 the whole document costs on one rank (m (m + 1) / 2 for m = n / 128 tiles): no loss, and its work
 spreads evenly. Below c = 128 every chunk still costs a tile: so documents whose chunks would be
-shorter than a tile stay whole, ``cut_length`` = 2W x 128 (capped at the local length).
+shorter than a tile stay whole, ``cut_length`` = 2W x 128 (capped at half a rank's tokens).
 
 Host and traced forms: with the boundaries' values on the host (CPU ``cu_seqlens``, or the
 documents ``ContextParallel`` found) the placement is exact: the long part is a slice of L rows,
@@ -63,10 +63,11 @@ PADDING_BUDGET = 0.02
 
 
 def cut_length(world: int, local_len: int) -> int:
-    """The length from which a document is cut: 2W chunks of a tile each (``TILE_ROWS``), or
-    fewer tokens where the local length is shorter; a multiple of 2W, at least 2W."""
+    """The length from which a document is cut: 2W chunks of a tile each (``TILE_ROWS``), and at
+    most half a rank's tokens (the short documents must be small beside a rank's share for the
+    ranks' work to balance); a multiple of 2W, at least 2W."""
     unit = 2 * world
-    return unit * max(1, min(TILE_ROWS, local_len // unit))
+    return unit * max(1, min(TILE_ROWS, local_len // (2 * unit)))
 
 
 def cut_documents(cu: torch.Tensor, world: int, local_len: int) -> torch.Tensor:

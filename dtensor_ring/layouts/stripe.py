@@ -64,9 +64,10 @@ class Stripe(Layout):
             mask = "causal" if is_causal else "none"
             return [whole(local_len, mask, Segments(bounds, bounds, longest, longest))]
         starts, stops = bounds[:-1], bounds[1:]
+        # (clamped: a document with no rows here -- the placement's, traced -- has empty ones)
         cu_q, cu_k = docs.cached(("stripe_shifted", world_size), lambda: (
-            pairs(starts, starts + 1, stops, last=bounds[-1]),
-            pairs(starts, starts, stops - 1, last=bounds[-1])))
+            pairs(starts, torch.minimum(starts + 1, stops), stops, last=bounds[-1]),
+            pairs(starts, starts, torch.maximum(stops - 1, starts), last=bounds[-1])))
         return [whole(local_len, "causal", Segments(cu_q, cu_k, longest, longest))]
 
 
