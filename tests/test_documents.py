@@ -547,3 +547,46 @@ def test_pad_documents_pads_each_document_to_the_layout_multiple():
     assert dr.document_multiple("stripe", 4) == 4 and dr.document_multiple("ring", 4) == 1
     with pytest.raises(ValueError, match=r"multiple=0 must be a positive int"):
         dr.pad_documents(ids, [0, 10], multiple=0)
+
+
+def test_pad_documents_places_the_documents_for_the_ranks():
+    """``world_size=W``: the documents reordered (those to cut first) and padded so that the
+    short ones stay whole on the ranks; every input token once, in order within its document;
+    padding tokens ``pad_id`` with labels -100; positions within each document; ``source`` says
+    where each token came from; ``length`` fixes the row's length."""
+    lengths = [64, 10, 7, 13, 9, 5, 11, 3, 8]
+    cu = _bounds(lengths)
+    ids = torch.arange(1, cu[-1] + 1).view(1, -1)
+    for length in (None, 160):
+        padded = dr.pad_documents(ids, cu, world_size=4, length=length, labels=ids + 1000,
+                                  pad_id=-1)
+        new, source = padded.cu_seqlens.tolist(), padded.source
+        assert length is None or new[-1] == length
+        real = source >= 0
+        assert sorted(source[real].tolist()) == list(range(cu[-1]))
+        assert torch.equal(padded.input_ids[0, real], ids[0, source[real]])
+        assert torch.equal(padded.labels[0, real], ids[0, source[real]] + 1000)
+        assert (padded.input_ids[0, ~real] == -1).all() and (padded.labels[0, ~real] == -100).all()
+        assert torch.equal(padded.position_ids[0], within_document(torch.arange(new[-1]),
+                                                                   padded.cu_seqlens))
+        for lo, hi in zip(new, new[1:]):  # a document's tokens in order, then its padding
+            taken = source[lo:hi][source[lo:hi] >= 0]
+            assert not len(taken) or torch.equal(taken, torch.arange(taken[0],
+                                                                     taken[0] + len(taken)))
+        cut = _placement("zigzag", new, 4).cut
+        assert cut.count(True) == 1 and new[1] == 64  # the long document first, the others whole
+        assert (new[-1] - cu[-1]) / new[-1] <= 0.05 or length is not None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(), r"pass one of world_size \(the ranks that will hold the row\) and multiple; got "
+             r"world_size=None, multiple=None"),
+    (dict(world_size=2, multiple=4), r"pass one of world_size .* got world_size=2, multiple=4"),
+    (dict(world_size=2, length=30), r"length=30 must be a multiple of 2 \* world_size = 4"),
+    (dict(world_size=2, length=8), r"length=8 is too short to place these documents on 2 ranks"),
+    (dict(multiple=4, length=32), r"length=32 goes with world_size, not multiple"),
+    (dict(world_size=0), r"world_size=0 must be a positive int"),
+])
+def test_pad_documents_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dr.pad_documents(torch.zeros(1, 20), [0, 10, 20], **kwargs)

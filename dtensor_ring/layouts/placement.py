@@ -190,7 +190,8 @@ class Placement:
         ones where the values are known, else one entry per document (empty ones elsewhere)."""
         def make():
             if not self.known:
-                clipped = (self.short_cu - rank * self.short_len).clamp(0, self.short_len)
+                clipped = torch.minimum((self.short_cu - rank * self.short_len).clamp_min(0),
+                                        self.short_len)  # (a tensor bound: no host read)
                 return (self.long_len + clipped).to(torch.int32)
             host = self.docs.host
             part, lo = self.short_rows, self.long_rows
@@ -335,7 +336,7 @@ def plan_row(lengths: list[int], world: int, length: int | None = None) -> list[
 
     The cut documents come first, each padded to a multiple of 2W, a long one last (the rule cuts
     every document up to the last long one). Then each rank's group of short documents, in their
-    order, padded to C tokens by padding documents at its end (each shorter than the cut length).
+    order, padded to C tokens by padding documents at its end (each at most a tile).
     The groups: the short documents largest first, each onto the rank with the least causal work
     among those with room for it (C: the short tokens / W, rounded up to an even count, or what
     ``length`` leaves). For a document with no room C grows, while the row's padding stays
@@ -385,10 +386,13 @@ def _plan(lengths, world, cut_from, length):
             cut.add(d)
             continue
         row = list(prefix)
+        # Padding documents attend themselves, p (p + 1) / 2 pairs on one rank: pieces of at
+        # most a tile (an eighth of a rank's tokens in short rows) keep that small beside the
+        # rank's share, and shorter than the cut length.
+        piece = max(1, min(TILE_ROWS, cut_from - 1, (long_rows + part) // 8))
         for group in groups:
             row += [(d, lengths[d]) for d in sorted(group)]
-            row += [(-1, n) for n in _split(part - sum(lengths[d] for d in group),
-                                            cut_from - 1)]
+            row += [(-1, n) for n in _split(part - sum(lengths[d] for d in group), piece)]
         bounds = torch.tensor([0, *[p for _, p in row]]).cumsum(0)
         wanted = [i < len(prefix) for i in range(len(row))]
         if cut_documents(bounds, world, long_rows + part).tolist() == wanted:
