@@ -271,6 +271,15 @@ class Placement:
             lambda: [with_inert_tail(b, rows, rows) for b in blocks])
 
 
+def exchanged_rows(docs, world: int, local_len: int) -> int:
+    """``Placement.exchanged_rows`` of ``docs`` (every row without documents), without deriving
+    the placement where it needs no host values: a schedule posts its first exchange before it
+    derives the blocks that exchange overlaps."""
+    if docs is None or docs.host is None:
+        return local_len
+    return placement_of(docs, world, local_len).exchanged_rows()
+
+
 def placement_of(docs, world: int, local_len: int) -> Placement:
     """The placement of ``docs`` for ``world`` ranks of ``local_len`` rows, derived once."""
     return docs.cached(("placement", world, local_len), lambda: Placement(docs, world, local_len))

@@ -55,7 +55,7 @@ from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
-from ..layouts.placement import placement_of, with_inert_tail
+from ..layouts.placement import exchanged_rows, placement_of, with_inert_tail
 from ..merge import MAX_PARTS, accumulate_, merge_many_, sum_many_
 from .base import (HeldSums, RowSums, attend_, backward_operands, block_backward, fp32_empty,
                    merge_target, result_out)
@@ -339,12 +339,6 @@ def plan_class(is_causal, kernel, docs):
     if is_causal and docs is None and CAUSAL_BOTTOM_RIGHT not in kernel.masks:
         return _OwnThenOthers
     return _NaturalOrder
-
-
-def exchanged_rows(docs, world, local_len) -> int:
-    """The K/V rows each rank gathers from each: with documents (placed, ``placement.py``) the
-    long part's, else every row."""
-    return local_len if docs is None else placement_of(docs, world, local_len).exchanged_rows()
 
 
 class Llama3:

@@ -42,7 +42,7 @@ the early part; with no long document there is no exchange at all.
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import Block, Layout
-from ..layouts.placement import placement_of
+from ..layouts.placement import exchanged_rows
 from ..merge import sum_many_
 from .base import (ForwardMerge, HeldSums, RowSums, attend_, backward_operands,
                    block_backward, fp32_empty)
@@ -104,24 +104,27 @@ class RingSchedule:
     def _exchanged(self, local_len, world, docs):
         """The K/V rows another rank needs: with placed documents the long part's (those of the
         short ones are attended at home only, ``layouts/placement.py``), else every row."""
-        if docs is not None and self.layout.places_documents:
-            return placement_of(docs, world, local_len).exchanged_rows()
+        if self.layout.places_documents:
+            return exchanged_rows(docs, world, local_len)
         return local_len
 
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None):
         world, local_len = comm.world_size, q.shape[2]
-        steps = [self._blocks(comm, step, local_len, is_causal, docs) for step in range(world)]
         exchanged = self._exchanged(local_len, world, docs)
-        if exchanged == 0:  # placed documents, all short: nothing to exchange, every rank knows
-            steps = steps[:1]
+        # placed documents, all short (every rank knows): nothing to exchange
+        n_steps = world if exchanged else 1
+        kv = [k, v]
+        pending = (comm.send_recv_next(_rows(kv, exchanged, local_len)) if n_steps > 1
+                   else None)  # posted before the blocks are derived (with documents: tensor ops)
+        steps = [self._blocks(comm, step, local_len, is_causal, docs) for step in range(n_steps)]
         if kernel.exact:  # its kernel writes or merges into the fp32 accumulator itself
             out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
         else:  # the block results in q's dtype, merged as they come (ForwardMerge)
             merged = ForwardMerge(q, sum(map(len, steps)))
-        kv = [k, v]
         for step, blocks in enumerate(steps):
-            pending = (comm.send_recv_next(_rows(kv, exchanged, local_len))
-                       if step < len(steps) - 1 else None)
+            if step:
+                kv = pending.wait()
+                pending = comm.send_recv_next(kv) if step < n_steps - 1 else None
             for block in blocks:
                 if kernel.exact:
                     attend_(kernel, q, *kv, block, scale, out, lse, fresh=step == 0)
@@ -129,8 +132,6 @@ class RingSchedule:
                     merged.add(*kernel.forward(q[:, :, block.q], kv[0][:, :, block.k],
                                                kv[1][:, :, block.k], block.mask, scale,
                                                block.segments), block.q)
-            if pending is not None:
-                kv = pending.wait()
         return (out, lse) if kernel.exact else merged.result()
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
@@ -155,10 +156,10 @@ class RingSchedule:
                     own_parts.append((block.k, *block_backward(kernel, dout, q, k, v, out, lse,
                                                                block, scale, dq_sums)))
 
-        first, *others = self._blocks(comm, 0, local_len, is_causal, docs)
-        early, late = split_own(first, kernel.masks)
         pending_kv = (comm.send_recv_next(_rows([k, v], exchanged, local_len)) if world > 1
                       else None)
+        first, *others = self._blocks(comm, 0, local_len, is_causal, docs)
+        early, late = split_own(first, kernel.masks)
         own(early + others)
         pending_dkv = None
         for step in range(1, world):
