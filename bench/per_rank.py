@@ -73,6 +73,7 @@ config (~1 s, most of it the profiler's own), ~1 min of Triton compiles and cuDN
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import platform
@@ -94,6 +95,7 @@ from dtensor_ring.kernels import BACKENDS, get_kernel  # noqa: E402
 from dtensor_ring.documents import Documents  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE, repeat_kv  # noqa: E402
 from dtensor_ring.layouts import Segments  # noqa: E402
+from dtensor_ring.layouts.placement import placement_of, plan_row  # noqa: E402
 from dtensor_ring.layouts.windows import Band, Window, effective_window  # noqa: E402
 from dtensor_ring.replay import ReplayComm  # noqa: E402
 from graph_capture import failure, graph_measure, recover  # noqa: E402
@@ -200,8 +202,14 @@ def build_parser():
     p.add_argument("--documents", action="store_true",
                    help="packed documents: each config's row holds a long-tailed mix (lengths "
                         "log-uniform between 32W tokens and half the row, multiples of 32W; "
-                        "--seed), attention within each; the ideal is PyTorch's flash varlen "
-                        "kernel over the whole row")
+                        "--seed), attention within each, placed as dr.pad_documents(..., "
+                        "world_size=W, length=the row) places it (--placement); the ideal is "
+                        "PyTorch's flash varlen kernel over the same row")
+    p.add_argument("--placement", choices=("pad", "none"), default="pad",
+                   help="with --documents: 'pad', the mix over 63/64 of the row ordered and "
+                        "padded by dr.pad_documents(world_size=W) (short documents whole on one "
+                        "rank); 'none', the mix over the whole row as it is (every document cut "
+                        "across the ranks, as before the placement; default %(default)s)")
     p.add_argument("--methods", type=_methods, default="all", metavar="LIST",
                    help=f"comma list of methods to run, from {','.join(METHODS)}, or 'all' "
                         "(default)")
@@ -318,10 +326,25 @@ def document_mix(seq: int, world: int, seed: int) -> tuple:
     return tuple(bounds)
 
 
+def placed_mix(seq: int, world: int, seed: int) -> tuple:
+    """``document_mix`` over 63/64 of a row of ``seq`` tokens (less if that does not fit),
+    ordered and padded to ``seq`` tokens as ``dr.pad_documents(..., world_size=world,
+    length=seq)`` does: the documents to cut first, each rank's short ones whole after them."""
+    for slack in (64, 32, 16, 8):
+        mix = document_mix(seq - seq // slack, world, seed)
+        try:
+            row = plan_row([b - a for a, b in zip(mix, mix[1:])], world, length=seq)
+        except ValueError:
+            continue
+        return tuple(itertools.accumulate((p for _, p in row), initial=0))
+    raise ValueError(f"no placement of the documents in {seq} tokens on {world} ranks")
+
+
 def configs(args):
+    mix = placed_mix if args.placement == "pad" else document_mix
     out = [Config(args.world, tokens, args.heads, kv, args.head_dim, args.batch,
                   not args.no_causal, DTYPES[args.dtype],
-                  document_mix(args.world * tokens, args.world, args.seed)
+                  mix(args.world * tokens, args.world, args.seed)
                   if args.documents else None, args.layout, args.window)
            for kv in args.kv_heads for tokens in args.tokens_per_gpu]
     # Largest first (stable: kv heads in the order given): the issue's main targets are at 8K
@@ -377,7 +400,8 @@ class Schedule:
         self.options = dict(is_causal=cfg.causal, scale=cfg.head_dim ** -0.5, kernel=self.kernel,
                             window=window)
         self.documents = None if not docs else (
-            torch.tensor(cfg.documents, dtype=torch.int32, device=device), _longest(cfg))
+            torch.tensor(cfg.documents, dtype=torch.int32, device=device), _longest(cfg),
+            list(cfg.documents))
 
 
 def _longest(cfg):
@@ -391,7 +415,8 @@ def schedule_call(method, comm, x, backward, mark=_unmarked):
     Returns out (in q's dtype, as ``ring_attention`` returns it), lse, and dq, dk, dv."""
     comm.rewind()
     # Packed documents as ring_attention gets them from ContextParallel: boundaries already on
-    # the device, the longest given (no host sync), the same tensor every call (its segments are
+    # the device, the longest given (no host sync), their values known on the host (ContextParallel
+    # read them: the placement's exact form), the same tensor every call (its segments are
     # derived once and reused, as by a model's layers; Documents.of).
     docs = None if method.documents is None else Documents.of(*method.documents)
     with mark("fwd"):
@@ -580,7 +605,27 @@ def run_schedule(name, cfg, x, args, device):
     if args.profile:
         call, _ = _schedule_caller(method, x, cfg, row["fwd_bwd_rank"], args.seed)
         row["profile"] = dict(rank=row["fwd_bwd_rank"], **_profiled(call, args))
+    if cfg.documents is not None:
+        row.update(_exchanged(method, x, cfg, args.seed))
     return row
+
+
+def _exchanged(method, x, cfg, seed):
+    """The bytes rank 0 hands the exchanges per forward and per forward+backward
+    (``ReplayComm.sent_bytes``), and as a fraction of the same call's without documents (every
+    row exchanged, as every document cut into 2W chunks needs); which documents are cut."""
+    sent = {}
+    for documents in (method.documents, None):
+        method.documents, kept = documents, method.documents
+        for backward, key in ((False, "fwd"), (True, "fwd_bwd")):
+            call, comm = _schedule_caller(method, x, cfg, 0, seed)
+            call(backward)
+            sent[key, documents is None] = comm.sent_bytes
+        method.documents = kept
+    placed = placement_of(Documents(*method.documents), cfg.world, cfg.tokens)
+    return {"bytes_fwd": sent["fwd", False], "bytes_fwd_bwd": sent["fwd_bwd", False],
+            "bytes_fraction": sent["fwd_bwd", False] / max(1, sent["fwd_bwd", True]),
+            "documents_cut": placed.cut.count(True), "documents_whole": placed.cut.count(False)}
 
 
 def _profiled(call, args):
@@ -940,6 +985,15 @@ def print_table(info, rows):
     print(HEADER)
     for r in rows:
         print(fmt_row(r))
+    if any("bytes_fwd_bwd" in r for r in rows):
+        print("\nPacked documents: bytes rank 0 hands the exchanges per fwd / fwd+bwd, and the "
+              "fraction of what every row would take (every document cut: before the placement)")
+        for r in rows:
+            if "bytes_fwd_bwd" in r:
+                print(f"{r['tokens_per_gpu']:>7} {r['kv_heads']:>3} {r['method']:15} "
+                      f"{r['bytes_fwd'] / 2**20:9.1f} / {r['bytes_fwd_bwd'] / 2**20:9.1f} MiB "
+                      f"{r['bytes_fraction']:5.2f}  documents cut {r['documents_cut']}, whole "
+                      f"{r['documents_whole']}")
     if any("graph" in r for r in rows):
         print("\nCUDA graphs (--capture): replay time, max over ranks")
         for r in rows:

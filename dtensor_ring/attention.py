@@ -45,10 +45,10 @@ def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_ma
     if window is not None and mesh_shape[1] > 1:
         raise ValueError(f"window={window} with a 2-D mesh of shape {tuple(mesh_shape)}: sliding "
                          "windows run on a 1-D mesh (the hybrid schedule takes none)")
-    sched = placed_schedule(get_schedule(schedule), *mesh_shape)
+    sched, world = placed_schedule(get_schedule(schedule), *mesh_shape), math.prod(mesh_shape)
     docs = documents(cu_seqlens, max_seqlen, seq_len,
-                     sched.layout.document_multiple(mesh_shape[0] * mesh_shape[1]),
-                     sched.layout.name, q.device)
+                     sched.layout.document_multiple(world), sched.layout.name, q.device,
+                     world_size=sched.layout.placement_world(world))
     window = effective_window(window, is_causal, seq_len if docs is None else docs.max_len)
     # Under torch.compile a head dim seen to change (the same code compiled again) becomes
     # symbolic, which resolve_backend (a constant) cannot take. operator.index makes Dynamo

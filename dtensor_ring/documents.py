@@ -17,7 +17,9 @@ tensor (free), or when it is on the device and no ``max_seqlen`` is given (one c
 validate and to find the longest document). With a device tensor and ``max_seqlen`` nothing is read
 back: the values are trusted (their dtype, shape and device are still checked).
 
-``pad_documents`` is for the data pipeline: it pads each document to the layout's multiple.
+``pad_documents`` is for the data pipeline: with ``world_size`` it orders and pads the documents
+so that the short ones stay whole, each on one rank (``layouts/placement.py``); with ``multiple`` it
+pads each document to the layout's multiple where it is.
 """
 import math
 from typing import NamedTuple
@@ -54,6 +56,8 @@ class Documents:
         key = (max_len, cu._version)
         held = getattr(cu, "_dtensor_ring_documents", None)
         if held is None or held[0] != key:
+            if host is None and held is not None and held[0][1] == cu._version:
+                host = held[1].host  # the same values, another bound (ContextParallel's bucket)
             held = (key, cls(cu, max_len, host))
             cu._dtensor_ring_documents = held
         return held[1]
@@ -79,9 +83,11 @@ def _is_traced(x: torch.Tensor) -> bool:
 
 
 def check_boundaries(values: list[int], seq_len: int, multiple: int, layout: str,
-                     arg: str = "cu_seqlens") -> None:
+                     arg: str = "cu_seqlens", world_size: int | None = None) -> None:
     """ValueError unless ``values`` are [0, ..., seq_len], strictly increasing, every document's
-    length a multiple of ``multiple`` (the layout's need); the error names the document."""
+    length a multiple of ``multiple`` (the layout's need; with ``world_size``, for a layout that
+    places documents, every document it cuts: ``layouts/placement.py``); the error names the
+    document."""
     if len(values) < 2:
         raise ValueError(f"{arg} must hold at least two boundaries [0, ..., S]; got {values}")
     if values[0] != 0:
@@ -89,24 +95,53 @@ def check_boundaries(values: list[int], seq_len: int, multiple: int, layout: str
     if values[-1] != seq_len:
         raise ValueError(f"{arg} must end at the sequence length {seq_len}; got "
                          f"{arg}[-1]={values[-1]}")
-    for d, (start, stop) in enumerate(zip(values, values[1:])):
-        length = stop - start
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    for d, length in enumerate(lengths):
         if length <= 0:
-            raise ValueError(f"{arg} must increase: document {d} ({arg}[{d}]={start} to "
-                             f"{arg}[{d + 1}]={stop}) has length {length}")
-        if length % multiple:
+            raise ValueError(f"{arg} must increase: document {d} ({arg}[{d}]={values[d]} to "
+                             f"{arg}[{d + 1}]={values[d + 1]}) has length {length}")
+    cut = None
+    if any(n % multiple for n in lengths):
+        cut = _cut(values, layout, world_size)
+    for d, length in enumerate(lengths):
+        if length % multiple and (cut is None or cut[d]):
             raise ValueError(
                 f"document {d} of {arg} has length {length}, which layout {layout!r} cannot "
-                f"split: every document's length must be a multiple of {multiple}; pad the "
-                f"documents with dr.pad_documents")
+                f"split: every document it cuts across the ranks must have a length that is a "
+                f"multiple of {multiple}{_cut_rule(seq_len, world_size) if cut else ''}; pad "
+                f"the documents with dr.pad_documents"
+                + (f"(..., world_size={world_size})" if cut else ""))
+
+
+def _cut(values: list[int], layout: str, world_size: int | None) -> list[bool] | None:
+    """Which documents ``layout`` cuts on ``world_size`` ranks (None: every one)."""
+    from .layouts import LAYOUTS  # noqa: PLC0415 - the layouts import this module
+    from .layouts.placement import cut_documents_host  # noqa: PLC0415
+
+    if world_size is None or not getattr(LAYOUTS.get(layout), "places_documents", False):
+        return None
+    return cut_documents_host(values, world_size, values[-1] // world_size)
+
+
+def _cut_rule(seq_len: int, world_size: int) -> str:
+    """Why documents are cut (``layouts/placement.py``), for the error above."""
+    from .layouts.placement import cut_length  # noqa: PLC0415
+
+    return (f" (here every document up to the last one of at least "
+            f"{cut_length(world_size, seq_len // world_size)} tokens is cut, and all of them "
+            f"unless the ones after it fill the {world_size} ranks in row order, each the same "
+            "number of tokens, with balanced work)")
 
 
 def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
-              device: torch.device, arg: str = "cu_seqlens") -> Documents | None:
+              device: torch.device, arg: str = "cu_seqlens",
+              world_size: int | None = None) -> Documents | None:
     """``cu_seqlens`` / ``max_seqlen`` of a public call, checked, as ``Documents`` on ``device``
     (None without documents). ``seq_len``: the global length the boundaries must end at;
-    ``multiple``: what every document's length must be a multiple of (the layout's need);
-    ``arg``: what the caller passed the boundaries as, for the errors about their values."""
+    ``multiple``: what every document's length must be a multiple of (the layout's need); with
+    ``world_size``, for a layout that places documents (``layouts/placement.py``), only every
+    document it cuts. ``arg``: what the caller passed the boundaries as, for the errors about
+    their values."""
     if cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError(f"max_seqlen={max_seqlen!r} is given without cu_seqlens; pass both "
@@ -136,7 +171,7 @@ def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
     if values is None and max_seqlen is None and not _is_traced(cu_seqlens):
         values = [int(x) for x in cu_seqlens.tolist()]  # one device sync: see the module docstring
     if values is not None:
-        check_boundaries(values, seq_len, multiple, layout, arg)
+        check_boundaries(values, seq_len, multiple, layout, arg, world_size=world_size)
         longest = max(b - a for a, b in zip(values, values[1:]))
         if max_seqlen is not None and max_seqlen < longest:
             raise ValueError(f"max_seqlen={max_seqlen} is below the longest document of "
@@ -174,21 +209,51 @@ class PaddedDocuments(NamedTuple):
     labels: torch.Tensor | None
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    source: torch.Tensor  # where each token comes from in the input row (-1: padding)
 
 
-def pad_documents(input_ids: torch.Tensor, cu_seqlens, *, multiple: int, labels=None,
+def pad_documents(input_ids: torch.Tensor, cu_seqlens, *, world_size: int | None = None,
+                  length: int | None = None, multiple: int | None = None, labels=None,
                   pad_id: int = 0, dim: int = -1) -> PaddedDocuments:
-    """Pad every packed document to a length that is a multiple of ``multiple``.
+    """Pad (and order) packed documents for context parallelism on ``world_size`` ranks.
 
-    ``multiple``: ``dr.document_multiple(schedule, world_size)`` (2W for zigzag and llama3, W for
-    stripe and ring). Each document gets ``pad_id`` tokens at its end, labels ``-100`` there
-    (ignored by the loss), and positions that continue its own (``0 .. padded length - 1``).
-    ``input_ids`` (and ``labels``) hold the packed row along ``dim`` (any leading batch dims, the
-    same boundaries for every row). Returns the padded ids, labels (None if not given), the
-    within-document positions and the new boundaries (an int32 CPU tensor).
+    ``world_size=W``: the row every schedule takes with its short documents whole, each on one
+    rank, and the long ones cut across the ranks (``layouts/placement.py``): the documents are
+    reordered (the ones to cut first, then each rank's group of short ones), each cut document is
+    padded to a multiple of 2W and each rank's group to the same length by padding documents.
+    ``length``: the padded row's length, a multiple of 2W (e.g. a fixed length for
+    ``torch.compile``); by default the shortest that works. ``multiple=m`` instead: each
+    document padded to a multiple of m where it is, nothing reordered (every document is then cut
+    across the ranks; ``dr.document_multiple(schedule, W)``).
+
+    Each document keeps its tokens in order and gets ``pad_id`` tokens at its end, labels
+    ``-100`` there (ignored by the loss), and positions that continue its own; a padding document
+    is ``pad_id`` tokens with labels -100 and positions from 0. ``input_ids`` (and ``labels``)
+    hold the packed row along ``dim`` (any leading batch dims, the same boundaries for every
+    row). Returns the padded ids, labels (None if not given), the within-document positions, the
+    new boundaries (an int32 CPU tensor) and ``source``: where each token comes from in the
+    input row (-1: padding), to order other per-token tensors alike (``x.index_select(dim,
+    source.clamp(min=0))``).
     """
+    from .layouts.placement import plan_row  # noqa: PLC0415 - the layouts import this module
+
     check_tensor(input_ids, "input_ids")
-    check_int(multiple, "multiple", 1, "a positive int (dr.document_multiple(schedule, world))")
+    if (world_size is None) == (multiple is None):
+        raise ValueError(f"pass one of world_size (the ranks that will hold the row) and "
+                         f"multiple; got world_size={world_size!r}, multiple={multiple!r}")
+    if multiple is not None:
+        check_int(multiple, "multiple", 1, "a positive int (dr.document_multiple(schedule, "
+                  "world))")
+        if length is not None:
+            raise ValueError(f"length={length!r} goes with world_size, not multiple")
+    else:
+        check_int(world_size, "world_size", 1, "a positive int (the ranks of the ring)")
+        if length is not None:
+            check_int(length, "length", 2 * world_size,
+                      f"a multiple of 2 * world_size = {2 * world_size}")
+            if length % (2 * world_size):
+                raise ValueError(f"length={length} must be a multiple of 2 * world_size = "
+                                 f"{2 * world_size}")
     dim = normalize_dim(input_ids, dim)
     seq_len = input_ids.shape[dim]
     values = _host_values(cu_seqlens)
@@ -201,24 +266,28 @@ def pad_documents(input_ids: torch.Tensor, cu_seqlens, *, multiple: int, labels=
             raise ValueError(f"labels has shape {tuple(labels.shape)} but input_ids has "
                              f"{tuple(input_ids.shape)}; they must match")
     lengths = [b - a for a, b in zip(values, values[1:])]
-    padded = [-(-n // multiple) * multiple for n in lengths]
+    row = (plan_row(lengths, world_size, length) if world_size is not None
+           else [(d, -(-n // multiple) * multiple) for d, n in enumerate(lengths)])
     device = input_ids.device
     # Where each padded token comes from (-1: padding), built on the host: the pipeline's side.
-    source = torch.cat([torch.cat([torch.arange(start, start + n),
-                                   torch.full((p - n,), -1, dtype=torch.long)])
-                        for start, n, p in zip(values, lengths, padded)]).to(device)
-    is_pad = source < 0
+    source = torch.cat([torch.cat([torch.arange(values[d], values[d] + lengths[d]),
+                                   torch.full((p - lengths[d],), -1, dtype=torch.long)])
+                        if d >= 0 else torch.full((p,), -1, dtype=torch.long)
+                        for d, p in row])
+    on_device = source.to(device)
+    is_pad = on_device < 0
     shape = [1] * input_ids.dim()
     shape[dim] = source.shape[0]
 
     def take(x, fill):
-        out = x.index_select(dim, source.clamp_min(0))
+        out = x.index_select(dim, on_device.clamp_min(0))
         return out.masked_fill(is_pad.view(shape), fill)
 
-    positions = torch.cat([torch.arange(p) for p in padded]).to(device)
-    new_cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(p) for _, p in row]).to(device)
+    new_cu = torch.tensor([0, *torch.tensor([p for _, p in row]).cumsum(0).tolist()],
+                          dtype=torch.int32)
     lead = list(input_ids.shape)
     lead[dim] = positions.shape[0]
     return PaddedDocuments(take(input_ids, pad_id),
                            None if labels is None else take(labels, IGNORE_INDEX),
-                           positions.view(shape).expand(lead), new_cu)
+                           positions.view(shape).expand(lead), new_cu, source)

@@ -35,8 +35,9 @@ class TorchFp32:
     @staticmethod
     def merge_(out, lse, block_out, block_lse):
         # sigmoid / logsigmoid in the form of triton_merge.merge_rows: a side at -inf (a row that
-        # saw no key there) gives weight 0 or 1 and leaves the other side's lse, with no inf - inf
-        diff = lse - block_lse
+        # saw no key there) gives weight 0 or 1 and leaves the other side's lse, with no inf - inf;
+        # both at -inf stay there (out 0)
+        diff = torch.where(lse == block_lse, 0.0, lse - block_lse)
         small = torch.exp(-diff.abs())
         weight = torch.where(diff > 0, small, 1.0) / (1.0 + small)
         out.sub_(weight.unsqueeze(-1) * (out - block_out))
@@ -106,7 +107,8 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
     ``out`` [B, H, S, D] and ``lse`` [B, H, S] are fp32 (views are fine); ``block_out`` is in any
     float dtype, ``block_lse`` fp32. A row at -inf on one side (it saw no key there: packed
-    documents) takes the other side's values; start the accumulator with ``init_``.
+    documents) takes the other side's values, at -inf on both it stays there with out 0; start
+    the accumulator with ``init_``.
     """
     _ops(out).merge_(out, lse, block_out, block_lse)
 

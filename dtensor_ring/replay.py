@@ -44,16 +44,21 @@ class ReplayComm:
         self.max_ops = 64 + 8 * world_size if max_ops is None else max_ops
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._op = 0
+        self.sent_bytes = 0
 
     def rewind(self) -> None:
-        """Start an iteration: the next operation gets the first buffer set again."""
+        """Start an iteration: the next operation gets the first buffer set again, and
+        ``sent_bytes`` (the bytes handed to the operations since) starts at 0."""
         self._op = 0
+        self.sent_bytes = 0
 
     def buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def _take(self, shapes_like: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
-        """This operation's buffers: one per (shape, tensor whose dtype and device it takes)."""
+        """This operation's buffers: one per (shape, tensor whose dtype and device it takes);
+        the tensors' bytes count as sent (as ``comm.TRAFFIC`` counts them)."""
+        self.sent_bytes += sum(like.numel() * like.element_size() for _, like in shapes_like)
         if self._op >= self.max_ops:
             raise RuntimeError(f"ReplayComm: {self._op} operations since the last rewind() "
                                f"(max_ops={self.max_ops}); call rewind() before each iteration")

@@ -28,7 +28,7 @@ def _placed(mesh, layout: str):
 
 def _documents(cu_seqlens, layout, seq_len, world, device):
     return documents(cu_seqlens, None, seq_len, layout.document_multiple(world), layout.name,
-                     device)
+                     device, world_size=layout.placement_world(world))
 
 
 def shard_sequence(x: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag", *,

@@ -56,7 +56,8 @@ def _tile(heads, seq, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 def merge_rows(out, lse, block_out, block_lse):
     """(out, lse) merged with (block_out, block_lse): fp32 [M, D] tiles and [M] rows, the formulas
     above. Also used by the exact forward kernel, which merges its block in its own epilogue."""
-    diff = lse - block_lse
+    # Both sides at -inf (a row no key reached yet: placed documents, traced) stay there, out 0
+    diff = tl.where(lse == block_lse, 0.0, lse - block_lse)
     small = tl.exp(-tl.abs(diff))  # in (0, 1]: no overflow whichever side dominates
     weight = tl.where(diff > 0, small, 1.0) / (1.0 + small)  # sigmoid(block_lse - lse)
     merged = out - weight[:, None] * (out - block_out)

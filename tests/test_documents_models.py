@@ -105,8 +105,11 @@ def _error(result, reference):
     return max(rel_rms(result[0], reference[0]), max(per_param.values()))
 
 
-# Documents of 16, 48, 8, 40 and 16 tokens (multiples of 2W = 8), then 64, 32 and 32.
-BOUNDARIES = ([0, 16, 64, 72, 112, 128], [0, 64, 96, 128])
+# Documents of 16, 48, 8, 40 and 16 tokens (multiples of 2W = 8), every one cut across the
+# ranks (a long one comes last: layouts/placement.py); then one of 64 tokens cut and eight short
+# ones whole, two on each rank (as dr.pad_documents(..., world_size=4) places them).
+PLACED = [0, 64, 74, 80, 86, 96, 100, 112, 120, 128]
+BOUNDARIES = ([0, 16, 64, 72, 112, 128], PLACED)
 
 
 def _style(mesh, failures, label):
@@ -152,8 +155,8 @@ def _compiled(mesh, failures, label):
     opt_single = torch.optim.AdamW(single.parameters(), lr=3e-3)
     opt_model = torch.optim.AdamW(module.parameters(), lr=3e-3)
     # Other boundaries and counts of documents, the longest one's bucket (a power of two,
-    # packed.py) the same: 64.
-    steps = [[0, 16, 64, 72, 112, 128], [0, 40, 48, 96, 128], [0, 8, 16, 72, 128]]
+    # packed.py) the same: 64; the second places eight short documents whole.
+    steps = [[0, 16, 64, 72, 112, 128], PLACED, [0, 8, 16, 72, 128]]
     for step, cu in enumerate(steps):
         ids, labels = _batch(step, base.cfg.vocab_size)
         if step == 1:
@@ -234,8 +237,8 @@ def test_context_parallel_trains_on_packed_documents():
 def _style_errors(mesh):
     model = parallelize_module(Llama(LlamaConfig()), mesh, dr.ContextParallel("zigzag"))
     ids, labels = _batch(0, 512)
-    too_short = r"has length 10, which layout 'zigzag' cannot split: every document's length " + (
-        r"must be a multiple of 4; pad the documents with dr.pad_documents")
+    too_short = (r"has length 10, which layout 'zigzag' cannot split: every document it cuts "
+                 r"across the ranks must have a length that is a multiple of 4")
     cases = [  # each error names the argument the documents came from
         (dict(position_ids=_positions([0, 10, 128])), r"document 0 of position_ids " + too_short),
         (dict(cu_seqlens=torch.tensor([0, 10, 128])), r"document 0 of cu_seqlens " + too_short),

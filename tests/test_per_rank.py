@@ -37,18 +37,25 @@ def smoke(one_thread, tmp_path_factory):
 
 
 def test_smoke_run_with_packed_documents(one_thread):
-    """--documents: every method on a long-tailed mix of documents, the ideal a varlen call."""
-    result = per_rank.main(["--device", "cpu", "--world", "4", "--tokens-per-gpu", "256",
-                            "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters",
-                            "1", "--warmup", "0", "--methods", "ideal,zigzag_fp32,llama3_exact",
-                            "--documents"])
-    rows = result["rows"]
+    """--documents: every method on a long-tailed mix of documents, the ideal a varlen call; the
+    mix placed as dr.pad_documents(world_size=W, length=the row) places it (short documents
+    whole, the exchanges' bytes below every row's), or as it is (--placement none: every
+    document cut, every row exchanged)."""
+    argv = ["--device", "cpu", "--world", "4", "--tokens-per-gpu", "128", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "16", "--iters", "1", "--warmup", "0", "--methods",
+            "ideal,zigzag_fp32,llama3_exact", "--documents"]
+    rows = per_rank.main(argv)["rows"]
     assert [r["error"] for r in rows] == [None] * 3
     cu = rows[0]["cu_seqlens"]
-    assert cu[0] == 0 and cu[-1] == 1024 and all(b > a for a, b in zip(cu, cu[1:]))
-    assert all((b - a) % 128 == 0 for a, b in zip(cu, cu[1:]))  # multiples of 32W
+    assert cu[0] == 0 and cu[-1] == 512 and all(b > a for a, b in zip(cu, cu[1:]))
     assert rows[0]["documents"] == len(cu) - 1 >= 3 and rows[1]["frac_fwd_bwd"] > 0
-    assert per_rank.document_mix(1024, 4, 0) == tuple(cu)
+    assert per_rank.placed_mix(512, 4, 0) == tuple(cu)
+    for row in rows[1:]:
+        assert row["documents_whole"] > 0 and 0 < row["bytes_fraction"] < 1
+        assert row["bytes_fwd"] < row["bytes_fwd_bwd"]
+    rows = per_rank.main([*argv, "--placement", "none"])["rows"]
+    assert tuple(rows[0]["cu_seqlens"]) == per_rank.document_mix(512, 4, 0)
+    assert all(r["bytes_fraction"] == 1 and r["documents_whole"] == 0 for r in rows[1:])
 
 
 def test_smoke_run_with_a_sliding_window(one_thread):

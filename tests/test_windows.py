@@ -20,6 +20,7 @@ from dtensor_ring.kernels.base import CAUSAL, MASKS, NONE
 from dtensor_ring.kernels.cpu_flash import CpuFlash
 from dtensor_ring.kernels.windows import flash_window
 from dtensor_ring.layouts import LAYOUTS, Segments
+from dtensor_ring.layouts.placement import placement_of
 from dtensor_ring.layouts.windows import (Band, Positions, Window, as_band, band_block,
                                           check_window, effective_window, split_rows)
 from dtensor_ring.numerics import (TOLERANCE, attention_and_grads, check_ratios, make_inputs,
@@ -337,6 +338,35 @@ def test_window_applies_within_each_document(monkeypatch, schedule, host):
                 max_seqlen=None if host else 80), q, k, v, dout, dtype)
         _check(ratios(got, single, reference), schedule, dtype,
                f"{schedule} documents causal={is_causal} window={window}")
+
+
+@pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
+def test_window_with_short_documents_placed_whole(schedule):
+    """A row as pad_documents(world_size=4) places it (layouts/placement.py): two long documents
+    cut across the ranks, the short ones whole on one rank each (their keys exchanged with no
+    one); windows shorter than a short document and longer than a rank's share."""
+    world = 4
+    lengths = [150, 97, 5, 9, 12, 3, 6, 11, 7, 4, 13, 8, 10, 2]
+    ids = torch.arange(sum(lengths))
+    cu_in = torch.tensor([0, *itertools.accumulate(lengths)])
+    cu = dr.pad_documents(ids, cu_in, world_size=world).cu_seqlens.tolist()
+    docs = dr.documents.Documents.of(torch.tensor(cu), max(b - a for a, b in zip(cu, cu[1:])), cu)
+    placement = placement_of(docs, world, cu[-1] // world)
+    assert 0 < placement.cut.count(True) < len(cu) - 1, "some documents whole, some cut"
+    q, k, v, dout = make_inputs(1, 4, 2, cu[-1], 16, seed=7)
+    for is_causal, window, dtype, precision in [(True, (5, 0), torch.float32, "fp32"),
+                                                (True, (90, 0), torch.bfloat16, "exact"),
+                                                (False, (6, 2), torch.float32, "fp32")]:
+        sdpa = windowed_sdpa(is_causal, window, cu)
+        reference = attention_and_grads(sdpa, q, k, v, dout, torch.float64)
+        single = attention_and_grads(sdpa, q, k, v, dout, dtype)
+        got = attention_and_grads(
+            lambda a, b, c: dr.simulate_ring(
+                a, b, c, world_size=world, schedule=schedule, is_causal=is_causal,
+                window=window, precision=precision, cu_seqlens=torch.tensor(cu)),
+            q, k, v, dout, dtype)
+        _check(ratios(got, single, reference), schedule, dtype,
+               f"{schedule} placed documents causal={is_causal} window={window}")
 
 
 @pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))

@@ -78,7 +78,7 @@ def find_documents(cu_seqlens, position_ids, seq_dim: int, seq_len: int, layout:
         return None
     # documents() checks the boundaries (once) against the layout's multiple
     docs = documents(values, None, seq_len, layout.document_multiple(world), layout.name,
-                     torch.device(device), arg=arg)
+                     torch.device(device), arg=arg, world_size=layout.placement_world(world))
     index = layout.positions(seq_len // world, rank, world, docs)
     longest = docs.max_len
     bucket = min(seq_len, 1 << (longest - 1).bit_length())

@@ -47,6 +47,10 @@ class HybridLayout(Layout):
         assert world_size == self.outer_size * self.inner_size, (world_size, self.outer_size,
                                                                   self.inner_size)
 
+    def placement_world(self, world_size: int) -> int:
+        self._check_world(world_size)
+        return self.outer_size
+
     def document_multiple(self, world_size: int) -> int:
         self._check_world(world_size)
         return self.outer.document_multiple(self.outer_size)

@@ -4,6 +4,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .placement import placement_of
+
 
 class Segments(NamedTuple):
     """Packed documents inside one block: segment i pairs the block's q rows
@@ -39,9 +41,16 @@ class Block:
 class Layout:
     """Maps local token indices to global positions; subclasses give ``positions`` and
     ``ring_blocks``, and with packed documents (``documents.Documents``) their per-document
-    forms."""
+    forms. A layout that ``places_documents`` applies its per-document form to the long
+    documents only and keeps the short ones whole (``placement.py``)."""
 
     name: str
+    places_documents = False
+
+    def placement_world(self, world_size: int) -> int:
+        """The ranks that packed documents are placed over (``placement.py``) on a mesh of
+        ``world_size``: all of them (a hybrid layout: its ring's)."""
+        return world_size
 
     def document_multiple(self, world_size: int) -> int:
         """What every packed document's length must be a multiple of."""
@@ -64,6 +73,8 @@ class Layout:
         documents, on their device."""
         if docs is None:
             return self.dense_positions(local_len, rank, world_size)
+        if self.places_documents:
+            return placement_of(docs, world_size, local_len).positions(self, rank)
         return self.document_positions(local_len, rank, world_size, docs)
 
     def dense_positions(self, local_len, rank, world_size) -> torch.Tensor:
@@ -81,6 +92,10 @@ class Layout:
                     is_causal: bool, docs=None) -> list[Block]:
         """Blocks rank ``rank`` computes holding the K/V of rank ``src``. Non-causal: all of it
         (with documents: each document's rows against its keys)."""
+        if docs is not None and self.places_documents:
+            placement = placement_of(docs, world_size, local_len)
+            return (placement.own_blocks(self, rank, is_causal) if src == rank
+                    else placement.long_blocks(self, rank, src, is_causal))
         if docs is not None:
             return self.document_ring_blocks(local_len, rank, src, world_size, is_causal, docs)
         if not is_causal:

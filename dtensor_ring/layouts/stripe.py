@@ -18,7 +18,9 @@ W = 2, S_local = 3; global token numbers in the cells' row/column labels:
 
 Every rank does the same work at every step, and blocks need no half-size kernels.
 
-Packed documents: the same per document, each of length a multiple of W: rank r holds tokens
+Packed documents: the same per document, for the documents long enough to cut (``placement.py``:
+the others stay whole, each on one rank; this applies to the long part of the local rows), each
+of length a multiple of W: rank r holds tokens
 r, r+W, ... of every document (documents in order), so document d's local rows are
 [cu[d] / W, cu[d+1] / W). src <= rank: one causal segment per document. src > rank: the shifted
 block per document, as three segments, so that the q rows and key rows stay packed:
@@ -36,6 +38,7 @@ from .windows import Run
 
 class Stripe(Layout):
     name = "stripe"
+    places_documents = True  # the long documents as below, the short ones whole
 
     def document_multiple(self, world_size):
         return world_size
@@ -65,9 +68,10 @@ class Stripe(Layout):
             mask = "causal" if is_causal else "none"
             return [whole(local_len, mask, Segments(bounds, bounds, longest, longest))]
         starts, stops = bounds[:-1], bounds[1:]
+        # (clamped: a document with no rows here -- the placement's, traced -- has empty ones)
         cu_q, cu_k = docs.cached(("stripe_shifted", world_size), lambda: (
-            pairs(starts, starts + 1, stops, last=bounds[-1]),
-            pairs(starts, starts, stops - 1, last=bounds[-1])))
+            pairs(starts, torch.minimum(starts + 1, stops), stops, last=bounds[-1]),
+            pairs(starts, starts, torch.maximum(stops - 1, starts), last=bounds[-1])))
         return [whole(local_len, "causal", Segments(cu_q, cu_k, longest, longest))]
 
 

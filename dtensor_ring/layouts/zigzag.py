@@ -19,8 +19,10 @@ W = 2, chunks 0..3; rank 0 holds [0 3], rank 1 holds [1 2]:
 
 Every off-diagonal step is one full block of S x S/2 (or S/2 x S) tokens: the same work on every rank.
 
-Packed documents: the same per document (TransformerEngine's convention): each document, of a
-length that is a multiple of 2W, is cut into 2W chunks of c = length / 2W, and rank r holds chunks
+Packed documents: the same per document (TransformerEngine's convention) for the documents long
+enough to cut (``placement.py``: the others stay whole, each on one rank, and this grid applies
+to the long part of the local rows, below): each document, of a length that is a multiple of 2W,
+is cut into 2W chunks of c = length / 2W, and rank r holds chunks
 r and 2W-1-r of every document, documents in order, so document d's local rows are
 [o, o') = [cu[d] / W, cu[d+1] / W), its a part [o, o+c) and its b part [o+c, o'). Each step is
 one varlen block over all local rows; its per-document blocks are the ones above, as segments,
@@ -39,6 +41,7 @@ from .windows import Run
 
 class Zigzag(Layout):
     name = "zigzag"
+    places_documents = True  # the long documents as below, the short ones whole
 
     def document_multiple(self, world_size):
         return 2 * world_size

@@ -60,9 +60,9 @@ from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
+from ..layouts.placement import exchanged_rows, placement_of, with_inert_tail
 from ..layouts.windows import Run, band_block, with_positions
 from ..merge import MAX_PARTS, accumulate_, merge_many_, sum_many_
-from ..sharding import rank_major_positions
 from .base import (HeldSums, RowSums, attend_, backward_operands, block_backward, fp32_empty,
                    merge_target, result_out)
 from .words import as_words, copied, stacked, zero_
@@ -102,32 +102,42 @@ def to_rank_major(natural: torch.Tensor, world: int) -> torch.Tensor:
     return shards.view(world, *lead, 2 * half, width).view(natural.dtype)
 
 
-def _rank_major_positions(docs, world, local_len):
-    """Natural positions of the gathered tokens, rank-major (rank 0's local tokens first)."""
-    return docs.cached(("llama3_rank_major", world, local_len), lambda: rank_major_positions(
-        ZIGZAG, world * local_len, world, docs))
-
-
-def documents_to_natural(gathered: torch.Tensor, docs) -> torch.Tensor:
-    """``to_natural`` with documents: [W, ..., S_local, D] -> [..., W * S_local, D] (a view of
-    one gathering copy, tokens along dim -2)."""
-    world, local_len = gathered.shape[0], gathered.shape[-2]
-    order = docs.cached(("llama3_natural_order", world, local_len),
-                        lambda: _rank_major_positions(docs, world, local_len).argsort())
-    natural = gathered[order // local_len, ..., order % local_len, :]  # [W * S_local, ..., D]
+def documents_to_natural(gathered: torch.Tensor, placement) -> torch.Tensor:
+    """``to_natural`` with documents: [W, ..., R, D] -> [..., W * R, D] (a view of one gathering
+    copy, tokens along dim -2), R the rows each rank sends (``Placement.exchanged_rows``), in the
+    order of the long documents (the rows past them after: ``Placement.gathered_positions``)."""
+    world, rows = gathered.shape[0], gathered.shape[-2]
+    order = placement.docs.cached(
+        ("llama3_natural_order", world, placement.local_len),
+        lambda: placement.gathered_positions(ZIGZAG).argsort())
+    natural = gathered[order // rows, ..., order % rows, :]  # [W * R, ..., D]
     return natural.movedim(0, -2)
 
 
-def documents_to_rank_major(natural: torch.Tensor, docs, world: int) -> torch.Tensor:
-    """Inverse of ``documents_to_natural``: [..., W * S_local, D] -> [W, S_local, ..., D] (one
-    copy; the receiver moves S_local back in place)."""
-    local_len = natural.shape[-2] // world
-    taken = natural.movedim(-2, 0).index_select(0, _rank_major_positions(docs, world, local_len))
-    return taken.view(world, local_len, *taken.shape[1:])
+def documents_to_rank_major(natural: torch.Tensor, placement, world: int) -> torch.Tensor:
+    """Inverse of ``documents_to_natural``: [..., W * R, D] -> [W, R, ..., D] (one copy; the
+    receiver moves R back in place)."""
+    rows = natural.shape[-2] // world
+    taken = natural.movedim(-2, 0).index_select(0, placement.gathered_positions(ZIGZAG))
+    return taken.view(world, rows, *taken.shape[1:])
 
 
-def _document_blocks(rank, world, local_len, is_causal, docs):
-    """(block, fresh) pairs with documents; see the module docstring."""
+def _document_blocks(rank, world, placement, is_causal):
+    """(block, fresh) pairs with documents: the long documents' grid of the module docstring on
+    the gathered long part (traced, past it inert: ``placement.with_inert_tail``), the first
+    block fresh unless the short documents' block covered every row before it (traced)."""
+    local_len = placement.exchanged_rows()
+    if local_len == 0:
+        return []
+    blocks = _long_blocks(rank, world, local_len, is_causal, placement.long)
+    if placement.known:
+        return blocks
+    return [(with_inert_tail(block, local_len, world * local_len), False)
+            for block, _ in blocks]
+
+
+def _long_blocks(rank, world, local_len, is_causal, docs):
+    """(block, fresh) pairs of the long documents ``docs``, on ``local_len`` rows each."""
     rows, keys = slice(0, local_len), slice(0, world * local_len)
     bounds, starts = local_bounds(docs, world), docs.cu
     if not is_causal:
@@ -153,17 +163,22 @@ def _document_blocks(rank, world, local_len, is_causal, docs):
 
 class _NaturalOrder:
     """Each gathered group put in natural order (with documents through an index), and the
-    blocks of the grids above on it: bottom-right causal per chunk, non-causal, documents."""
+    blocks of the grids above on it: bottom-right causal per chunk, non-causal, documents. With
+    documents, ``local`` is the block of the rank's short ones on its own K/V (None if it holds
+    none): computed in ``start`` for all heads, its gradients per group as the own block's."""
 
-    local = None  # no block on the rank's own K/V alone
+    local = None
 
     def __init__(self, rank, world, local_len, is_causal, docs, window=None, masks=()):
         self.world, self.docs = world, docs
         half = local_len // 2
         if docs is not None:
-            self.blocks = _document_blocks(rank, world, local_len, is_causal, docs)
+            self.placement = placement_of(docs, world, local_len)
+            self.blocks = _document_blocks(rank, world, self.placement, is_causal)
+            self.local = self.placement.short_block(rank, is_causal)
             if window is not None:
-                self.blocks = _with_window(self.blocks, rank, world, local_len, docs, window)
+                self.blocks, self.local = _with_window(self.blocks, self.local, rank,
+                                                       self.placement, window)
         elif window is not None:  # each chunk's rows against the natural keys within reach
             keys = Run(0, world * local_len, 0, 1)
             self.blocks = [(band_block(run, keys, window, is_causal, masks), True)
@@ -176,18 +191,24 @@ class _NaturalOrder:
                            for j, chunk in enumerate((rank, 2 * world - 1 - rank))]
 
     @staticmethod
-    def message(k, v, heads: slice) -> torch.Tensor:
-        """K and V of a group of kv heads as one [2, B, Hg, S, D] message (a copy of each)."""
+    def message(k, v, heads: slice, rows: int) -> torch.Tensor:
+        """K and V of a group of kv heads as one [2, B, Hg, R, D] message (a copy of each): their
+        first ``rows`` rows (with placed documents the long part's, ``exchanged_rows``)."""
+        if rows < k.shape[2]:
+            k, v = k[:, :, :rows], v[:, :, :rows]
         return stacked([k[:, heads], v[:, heads]], 0)
 
     def _natural(self, gathered):
         return (to_natural(gathered) if self.docs is None
-                else documents_to_natural(gathered, self.docs))
+                else documents_to_natural(gathered, self.placement))
 
     def start(self, kernel, q, k, v, scale):
-        """The forward's (out, lse) to fill group by group: fp32 (the fresh blocks cover every
-        row)."""
-        return fp32_empty(q), fp32_empty(q, q.shape[:3])
+        """The forward's (out, lse) to fill group by group: fp32 (the fresh blocks, and the short
+        documents' block, computed here for all heads, cover every row)."""
+        out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
+        if self.local is not None:
+            attend_(kernel, q, k, v, self.local, scale, out, lse, fresh=True)
+        return out, lse
 
     def forward_(self, kernel, q, gathered, scale, out, lse, into):
         """The blocks of a group of q heads on its gathered K/V, into its out/lse (``into`` is
@@ -212,7 +233,7 @@ class _NaturalOrder:
             row_sums.result()  # keys no local query sees: zero
         if self.docs is None:
             return to_rank_major(dkv_all, self.world)
-        return documents_to_rank_major(dkv_all, self.docs, self.world)
+        return documents_to_rank_major(dkv_all, self.placement, self.world)
 
     def owned(self, received):
         """A reduce-scattered share as [2, B, Hg, S_local, D] (with documents it arrives as
@@ -220,12 +241,23 @@ class _NaturalOrder:
         return received if self.docs is None else received.movedim(0, -2)
 
 
-def _with_window(blocks, rank, world, local_len, docs, window):
-    """Document blocks with the window as positions: the rank's zigzag rows, natural keys."""
+def _with_window(blocks, local, rank, placement, window):
+    """The document blocks and the short documents' block (None: none) with the window as
+    positions: the rank's rows, the gathered keys in their natural order (the long part's, then,
+    traced, the rows past it), its own keys for the short documents' block."""
+    docs, world, local_len = placement.docs, placement.world, placement.local_len
     rows = docs.cached(("positions", ZIGZAG.name, local_len, rank, world),
                        lambda: ZIGZAG.positions(local_len, rank, world, docs))
-    keys = torch.arange(world * local_len, device=docs.cu.device)
-    return [(with_positions(block, rows, keys, window), fresh) for block, fresh in blocks]
+
+    def natural_keys():
+        sent = placement.exchanged_rows()
+        gathered = torch.cat([ZIGZAG.positions(local_len, r, world, docs)[:sent]
+                              for r in range(world)])
+        return gathered[placement.gathered_positions(ZIGZAG).argsort()]
+
+    keys = docs.cached(("llama3_key_positions", local_len, world), natural_keys)
+    return ([(with_positions(block, rows, keys, window), fresh) for block, fresh in blocks],
+            None if local is None else with_positions(local, rows, rows, window))
 
 
 class _OwnThenOthers:
@@ -244,8 +276,9 @@ class _OwnThenOthers:
         self.local = Block(slice(0, local_len), slice(0, local_len), CAUSAL)
 
     @staticmethod
-    def message(k, v, heads: slice) -> torch.Tensor:
-        """K and V of a group of kv heads as one [S, 2, B, Hg, D] message (a copy of each)."""
+    def message(k, v, heads: slice, rows: int) -> torch.Tensor:
+        """K and V of a group of kv heads as one [S, 2, B, Hg, D] message (a copy of each; no
+        documents here: every row)."""
         return stacked([k[:, heads].permute(2, 0, 1, 3), v[:, heads].permute(2, 0, 1, 3)], 1)
 
     def x(self, gathered):
@@ -348,15 +381,18 @@ class Llama3:
                 window=None):
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
         plan_cls = plan_class(is_causal, kernel, docs, window)
-        pending = comm.all_gather(plan_cls.message(k, v, groups[0]))
+        rows = exchanged_rows(docs, comm.world_size, q.shape[2])
+        pending = comm.all_gather(plan_cls.message(k, v, groups[0], rows)) if rows else None
         plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs, window,
                         kernel.masks)
+        if pending is None:  # placed documents, all short: each rank attends its own
+            return plan.result(kernel, q, *plan.start(kernel, q, k, v, scale))
         first, lse = plan.start(kernel, q, k, v, scale)
         out = merge_target(first)
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
-                pending = comm.all_gather(plan.message(k, v, groups[i + 1]))
+                pending = comm.all_gather(plan.message(k, v, groups[i + 1], rows))
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
             plan.forward_(kernel, q[:, q_heads], gathered, scale, first[:, q_heads],
                           lse[:, q_heads], None if out is first else out[:, q_heads])
@@ -374,16 +410,18 @@ class Llama3:
         # reduce-scattered share (fp32) summed in one pass straight into the outputs
         dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
         plan_cls = plan_class(is_causal, kernel, docs, window)
-        pending_kv, pending_grad = comm.all_gather(plan_cls.message(k, v, groups[0])), None
+        rows = exchanged_rows(docs, world, q.shape[2])  # 0: placed documents, all short
+        pending_kv = comm.all_gather(plan_cls.message(k, v, groups[0], rows)) if rows else None
+        pending_grad = None
         plan = plan_cls(comm.rank, world, q.shape[2], is_causal, docs, window, kernel.masks)
-        own = {}  # group index -> the own block's (dk, dv) of that group's heads
+        own = {}  # group index -> the own block's (key rows, dk, dv) of that group's heads
 
         def receive(g):
-            share, every = plan.owned(pending_grad.wait()), slice(0, k.shape[2])
+            share = plan.owned(pending_grad.wait()) if rows else None
             mine = own.pop(g, None)
             for i, target in enumerate((dk, dv)):
-                sum_many_(target[:, groups[g]], ([(mine[i], every)] if mine else [])
-                          + [(share[i], every)])
+                sum_many_(target[:, groups[g]], ([(mine[1 + i], mine[0])] if mine else [])
+                          + ([(share[i], slice(0, rows))] if rows else []))
 
         for i, heads in enumerate(groups):
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
@@ -399,12 +437,16 @@ class Llama3:
                 if kernel.exact:
                     sums = [RowSums(fp32_empty(x[:, heads])) for x in (k, v)]
                     block_backward(*operands, *sums)
-                    own[i] = tuple(x.result() for x in sums)
+                    own[i] = (slice(0, k.shape[2]), *(x.result() for x in sums))
                 else:
-                    own[i] = block_backward(*operands)
+                    own[i] = (plan.local.k, *block_backward(*operands))
+            if not rows:  # nothing gathered: the own block is all
+                (dq_heads.result() if kernel.exact else dq_heads.result_into(dq[:, q_heads]))
+                receive(i)
+                continue
             gathered = pending_kv.wait()
             if i + 1 < len(groups):
-                pending_kv = comm.all_gather(plan.message(k, v, groups[i + 1]))
+                pending_kv = comm.all_gather(plan.message(k, v, groups[i + 1], rows))
             dkv_all = plan.backward(kernel, dout[:, q_heads], q[:, q_heads], out[:, q_heads],
                                     lse[:, q_heads], gathered, scale, dq_heads)
             if kernel.exact:
@@ -417,5 +459,6 @@ class Llama3:
             # The communicator holds it while it needs it. Kept here until the next group's was
             # built, it raised the peak (H100, 8K tokens, 32/32 heads, exact: 1.44 GiB, not 1.19).
             del dkv_all
-        receive(len(groups) - 1)
+        if rows:
+            receive(len(groups) - 1)
         return dq.to(q.dtype), dk, dv

@@ -33,7 +33,10 @@ Packed documents (``docs``): the layout gives each step one varlen block over al
 per-document grid is drawn in its file), and the own block is split as above within each
 document: the early part is every document's rows and keys before h (causal), the late part every
 document's rows from h on against all of its keys (bottom-right causal: a document that starts
-before h keeps seeing its keys there).
+before h keeps seeing its keys there). With zigzag's and stripe's placement (``layouts/
+placement.py``) only the long part's L rows travel (K/V and the dK/dV accumulators), the steps
+after the first attend the long part, and step 0 adds a block of the short documents, run with
+the early part; with no long document there is no exchange at all.
 
 A sliding window (``window``) runs ``windowed.py`` instead: K/V only from the ranks within reach.
 """
@@ -41,6 +44,7 @@ A sliding window (``window``) runs ``windowed.py`` instead: K/V only from the ra
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import Block, Layout
+from ..layouts.placement import exchanged_rows
 from ..merge import sum_many_
 from . import windowed
 from .base import (ForwardMerge, HeldSums, RowSums, attend_, backward_operands,
@@ -66,17 +70,21 @@ def split_own(block: Block, masks) -> tuple[list[Block], list[Block]]:
 
 
 def _split_own_documents(block: Block, half: int) -> tuple[list[Block], list[Block]]:
-    """``split_own`` with documents (the module docstring): the segments clipped at ``half``."""
-    bounds, seg = block.segments.cu_q, block.segments
-    length = block.q.stop
-    first, second = slice(0, half), slice(half, length)
-    before, after = bounds.clamp(max=half), (bounds - half).clamp(min=0)
+    """``split_own`` with documents (the module docstring): the segments clipped at ``half``.
+    The block's keys may end before its rows (the placement's own block of the long part, whose
+    later rows see no key: ``layouts/placement.py``)."""
+    seg, length, keys = block.segments, block.q.stop, block.k.stop
     if block.mask == CAUSAL:
-        return ([Block(first, first, CAUSAL, seg._replace(cu_q=before, cu_k=before))],
-                [Block(second, block.k, CAUSAL_BOTTOM_RIGHT, seg._replace(cu_q=after))])
-    keys = seg.cu_k
-    return ([Block(block.q, first, NONE, seg._replace(cu_k=keys.clamp(max=half)))],
-            [Block(block.q, second, NONE, seg._replace(cu_k=(keys - half).clamp(min=0)))])
+        early_keys = min(half, keys)
+        return ([Block(slice(0, half), slice(0, early_keys), CAUSAL,
+                       seg._replace(cu_q=seg.cu_q.clamp(max=half),
+                                    cu_k=seg.cu_k.clamp(max=early_keys)))],
+                [Block(slice(half, length), block.k, CAUSAL_BOTTOM_RIGHT,
+                       seg._replace(cu_q=(seg.cu_q - half).clamp(min=0)))])
+    half = keys // 2
+    return ([Block(block.q, slice(0, half), NONE, seg._replace(cu_k=seg.cu_k.clamp(max=half)))],
+            [Block(block.q, slice(half, keys), NONE,
+                   seg._replace(cu_k=(seg.cu_k - half).clamp(min=0)))])
 
 
 class RingSchedule:
@@ -89,10 +97,19 @@ class RingSchedule:
         src = (comm.rank - step) % comm.world_size
         blocks = self.layout.ring_blocks(local_len, comm.rank, src, comm.world_size, is_causal,
                                          docs)
-        # Step 0 (the rank's own K/V) is one square block over every row: it starts the forward's
-        # accumulator, and the backward splits it (split_own).
-        assert step or (len(blocks) == 1 and blocks[0].q == blocks[0].k == slice(0, local_len))
+        # Step 0 (the rank's own K/V) starts with a block over every row: it starts the
+        # forward's accumulator, and the backward splits it (split_own). Without documents it is
+        # the only one, square; with placed documents a block of the short ones may follow.
+        assert step or blocks[0].q == slice(0, local_len)
+        assert step or docs is not None or (len(blocks) == 1 and blocks[0].k == blocks[0].q)
         return blocks
+
+    def _exchanged(self, local_len, world, docs):
+        """The K/V rows another rank needs: with placed documents the long part's (those of the
+        short ones are attended at home only, ``layouts/placement.py``), else every row."""
+        if self.layout.places_documents:
+            return exchanged_rows(docs, world, local_len)
+        return local_len
 
     def forward(self, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs=None,
                 window=None):
@@ -100,14 +117,21 @@ class RingSchedule:
             return windowed.forward(self.layout, comm, q, k, v, is_causal=is_causal, scale=scale,
                                     kernel=kernel, docs=docs, window=window)
         world, local_len = comm.world_size, q.shape[2]
-        steps = [self._blocks(comm, step, local_len, is_causal, docs) for step in range(world)]
+        exchanged = self._exchanged(local_len, world, docs)
+        # placed documents, all short (every rank knows): nothing to exchange
+        n_steps = world if exchanged else 1
+        kv = [k, v]
+        pending = (comm.send_recv_next(_rows(kv, exchanged, local_len)) if n_steps > 1
+                   else None)  # posted before the blocks are derived (with documents: tensor ops)
+        steps = [self._blocks(comm, step, local_len, is_causal, docs) for step in range(n_steps)]
         if kernel.exact:  # its kernel writes or merges into the fp32 accumulator itself
             out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
         else:  # the block results in q's dtype, merged as they come (ForwardMerge)
             merged = ForwardMerge(q, sum(map(len, steps)))
-        kv = [k, v]
         for step, blocks in enumerate(steps):
-            pending = comm.send_recv_next(kv) if step < world - 1 else None
+            if step:
+                kv = pending.wait()
+                pending = comm.send_recv_next(kv) if step < n_steps - 1 else None
             for block in blocks:
                 if kernel.exact:
                     attend_(kernel, q, *kv, block, scale, out, lse, fresh=step == 0)
@@ -115,8 +139,6 @@ class RingSchedule:
                     merged.add(*kernel.forward(q[:, :, block.q], kv[0][:, :, block.k],
                                                kv[1][:, :, block.k], block.mask, scale,
                                                block.segments), block.q)
-            if pending is not None:
-                kv = pending.wait()
         return (out, lse) if kernel.exact else merged.result()
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
@@ -125,7 +147,9 @@ class RingSchedule:
             return windowed.backward(self.layout, comm, dout, q, k, v, out, lse,
                                      is_causal=is_causal, scale=scale, kernel=kernel, docs=docs,
                                      window=window)
-        world, local_len = comm.world_size, q.shape[2]
+        local_len = q.shape[2]
+        exchanged = self._exchanged(local_len, comm.world_size, docs)
+        world = comm.world_size if exchanged else 1  # placed documents, all short: no exchange
         dout, out = backward_operands(kernel, dout, out, q, docs)
         dq_sums = RowSums(fp32_empty(q)) if kernel.exact else HeldSums(q)
         # The rank's own K/V: their gradients stay here. An exact kernel adds them into fp32
@@ -143,17 +167,18 @@ class RingSchedule:
                     own_parts.append((block.k, *block_backward(kernel, dout, q, k, v, out, lse,
                                                                block, scale, dq_sums)))
 
-        early, late = split_own(self._blocks(comm, 0, local_len, is_causal, docs)[0],
-                                kernel.masks)
-        pending_kv = comm.send_recv_next([k, v]) if world > 1 else None
-        own(early)
+        pending_kv = (comm.send_recv_next(_rows([k, v], exchanged, local_len)) if world > 1
+                      else None)
+        first, *others = self._blocks(comm, 0, local_len, is_causal, docs)
+        early, late = split_own(first, kernel.masks)
+        own(early + others)
         pending_dkv = None
         for step in range(1, world):
             kv = pending_kv.wait()
             pending_kv = comm.send_recv_next(kv) if step < world - 1 else None
             blocks = self._blocks(comm, step, local_len, is_causal, docs)
             if pending_dkv is None:  # step 1 starts the travelling accumulator: kernels write it
-                dk, dv = RowSums(fp32_empty(k)), RowSums(fp32_empty(v))
+                dk, dv = RowSums(fp32_empty(kv[0])), RowSums(fp32_empty(kv[1]))
                 for block in blocks:
                     block_backward(kernel, dout, q, *kv, out, lse, block, scale, dq_sums,
                                    dk, dv)
@@ -180,11 +205,16 @@ class RingSchedule:
 
 def own_sum(x, parts, home):
     """dK (or dV) of the rank's own K/V in ``x``'s dtype, rounded once: the own blocks' ``parts``
-    ((key rows, gradient), in order) plus the accumulator that came ``home`` (fp32; None at
-    W = 1), added in one pass in the order adding them one at a time to an fp32 accumulator
-    would take. Contiguous, as the custom op's fake promises (``x`` may be a transposed view)."""
+    ((key rows, gradient), in order) plus the accumulator that came ``home`` (fp32, for the rows
+    that were exchanged; None at W = 1), added in one pass in the order adding them one at a time
+    to an fp32 accumulator would take. Contiguous, as the custom op's fake promises (``x`` may be
+    a transposed view)."""
     target = x.new_empty(x.shape)
-    every = slice(0, x.shape[2])
     sum_many_(target, [(grad, rows) for rows, grad in parts]
-              + ([(home, every)] if home is not None else []))
+              + ([(home, slice(0, home.shape[2]))] if home is not None else []))
     return target
+
+
+def _rows(kv, rows, local_len):
+    """The K/V rows to send: the first ``rows`` (all of them: the tensors as they are)."""
+    return kv if rows == local_len else [x[:, :, :rows] for x in kv]
