@@ -128,8 +128,8 @@ class _CudnnLikeKernel(CpuFlash):
     name = "cpu_flash_cudnn_like"
     masks = (NONE, CAUSAL)
 
-    def forward(self, q, k, v, mask, scale, segments=None):
-        out, lse = super().forward(q, k, v, mask, scale, segments)
+    def forward(self, q, k, v, mask, scale, segments=None, window=None):
+        out, lse = super().forward(q, k, v, mask, scale, segments, window)
         return out, lse.unsqueeze(-1).clone(memory_format=torch.contiguous_format).squeeze(-1)
 
 

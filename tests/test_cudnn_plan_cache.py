@@ -62,9 +62,9 @@ def _record_blocks():
     kernel, blocks, seen = BACKENDS["cudnn"], {}, set()
     original = kernel.backward
 
-    def recording(dout, q, k, v, out, lse, mask, scale, segments=None):
+    def recording(dout, q, k, v, out, lse, mask, *rest):
         seen.add((mask, *((tuple(x.shape), x.stride()) for x in (q, k, v))))
-        return original(dout, q, k, v, out, lse, mask, scale, segments)
+        return original(dout, q, k, v, out, lse, mask, *rest)
 
     kernel.backward = recording
     for batch, q_heads, kv_heads in SHAPES:
