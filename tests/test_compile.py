@@ -89,13 +89,19 @@ def _compiled_matches_eager(mesh, schedules):
     assert not failures, "\n".join(failures)
 
 
+# Every schedule compiled once (compiling the model on 4 CPU ranks is among the slowest steps of
+# the suite): the two exchanges the product defaults to (zigzag's P2P ring, llama3's all-gather)
+# on 4 ranks, the other layouts on 2 (a ring of two: both neighbours are one rank).
+COMPILED_ON_4 = ("llama3", "zigzag")
+
+
 def test_compiled_context_parallel_llama_matches_eager():
-    """W = 2, the two exchanges (zigzag's P2P ring, llama3's all-gather)."""
-    run_on_ranks(2, _compiled_matches_eager, ("llama3", "zigzag"))
+    run_on_ranks(2, _compiled_matches_eager,
+                 tuple(s for s in sorted(dr.SCHEDULES) if s not in COMPILED_ON_4))
 
 
-def test_compiled_context_parallel_llama_matches_eager_on_4_ranks_every_schedule():
-    run_on_ranks(4, _compiled_matches_eager, tuple(sorted(dr.SCHEDULES)))
+def test_compiled_context_parallel_llama_matches_eager_on_4_ranks():
+    run_on_ranks(4, _compiled_matches_eager, COMPILED_ON_4)
 
 
 def _head_dim_changes(mesh):
