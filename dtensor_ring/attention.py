@@ -43,7 +43,7 @@ def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_ma
                   dropout_p=dropout_p)
     window = check_window(window)
     if window is not None and mesh_shape[1] > 1:
-        raise ValueError(f"window={window} with a 2-D mesh of shape {tuple(mesh_shape)}: sliding "
+        raise ValueError(f"window={tuple(window)} with a 2-D mesh of shape {tuple(mesh_shape)}: sliding "
                          "windows run on a 1-D mesh (the hybrid schedule takes none)")
     sched, world = placed_schedule(get_schedule(schedule), *mesh_shape), math.prod(mesh_shape)
     docs = documents(cu_seqlens, max_seqlen, seq_len,

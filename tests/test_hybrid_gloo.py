@@ -101,7 +101,8 @@ def _expect_everywhere(failures, what, error, call, *fragments):
 
 def _errors(mesh):
     """Every rank raises, before any exchange: heads that do not split over the inner ranks,
-    and ranks that call with meshes that disagree (2 x 2 on ranks 0-1, 1 x 4 on ranks 2-3)."""
+    ranks that call with meshes that disagree (2 x 2 on ranks 0-1, 1 x 4 on ranks 2-3), and a
+    sliding window, which the hybrid schedule does not take."""
     failures, rank = [], mesh.get_rank()
     q, k, v = (torch.randn(1, h, 16, 8) for h in (6, 2, 2))
     pure_a2a = init_device_mesh("cpu", (1, 4), mesh_dim_names=NAMES)  # every rank builds both
@@ -112,11 +113,18 @@ def _errors(mesh):
     _expect_everywhere(failures, f"rank {rank} meshes", ValueError, lambda: dr.ring_attention(
         q, k, v, mesh=mine, is_causal=True), "mesh (the context-parallel mesh",
         "2 x 2 on ranks 0, 1", "1 x 4 on ranks 2, 3")
+    for what, call in [("ring_attention", lambda: dr.ring_attention(q, k, v, mesh=mesh,
+                                                                     window=(3, 0))),
+                       ("ContextParallel", lambda: parallelize_module(
+                           Llama(LlamaConfig()), mesh, dr.ContextParallel(window=(3, 0))))]:
+        _expect_everywhere(failures, f"rank {rank} {what} window", ValueError, call,
+                           "window=(3, 0) with a 2-D mesh of shape (2, 2)",
+                           "sliding windows run on a 1-D mesh")
     assert not failures, "\n".join(failures)
 
 
 def test_errors_on_every_rank():
-    run_on_ranks(4, _errors, mesh_shape=(2, 2), mesh_dim_names=NAMES, timeout_s=60)
+    run_on_ranks(4, _errors, mesh_shape=(2, 2), mesh_dim_names=NAMES, timeout_s=120)
 
 
 def _dtensor_rule(mesh, failures):

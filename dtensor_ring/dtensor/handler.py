@@ -93,7 +93,7 @@ def _options(plan: SdpaPlan, spec, a, lq):
     window = effective_window(check_window(plan.entry.window), a["is_causal"],
                               lq.shape[2] * plan.world_size)
     if window is not None and plan.inner_mesh_dim is not None:
-        raise ValueError(f"window={window} with a 2-D sequence sharding (mesh dims "
+        raise ValueError(f"window={tuple(window)} with a 2-D sequence sharding (mesh dims "
                          f"{plan.seq_mesh_dim}, {plan.inner_mesh_dim}): sliding windows run on a "
                          "1-D one (the hybrid schedule takes none)")
     kernel = get_kernel(plan.entry.backend, lq.device, lq.dtype, lq.shape[-1],

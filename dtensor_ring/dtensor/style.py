@@ -257,8 +257,9 @@ class ContextParallel(ParallelStyle):
     def _register(self, mesh):
         # On a 2-D mesh (ring, all-to-all) the schedule is the ring dimension's (hybrid/).
         if self.window is not None and mesh.ndim == 2:
-            raise ValueError(f"window={self.window} with a 2-D mesh {mesh}: sliding windows run "
-                             "on a 1-D mesh (the hybrid schedule takes none)")
+            raise ValueError(f"window={tuple(self.window)} with a 2-D mesh of shape "
+                             f"{tuple(mesh.shape)}: sliding windows run on a 1-D mesh (the "
+                             "hybrid schedule takes none)")
         set_sequence_schedule(mesh, self.schedule, mesh_dim=0 if mesh.ndim == 2 else None,
                               precision=self.precision, backend=self.backend, window=self.window)
 
