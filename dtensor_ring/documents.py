@@ -9,8 +9,7 @@ of every document, contiguous cuts the packed row into W equal parts (documents 
 ``Documents`` carries one call's boundaries to the layouts and kernels: the boundaries as an int32
 tensor on the compute device, and a host bound on the longest document, which sizes the varlen
 kernels' grids (PyTorch's flash varlen op launches ceil(max_len / tile) programs per segment, so a
-loose bound costs idle programs: measured on an H100, the backward of one zigzag step at 8K local
-tokens and 49 documents took 2.2 ms with the bound at the local length, 1.0 ms with the true one).
+loose bound costs idle programs, and time: docs/design.md, "Measurements behind design choices").
 
 Host synchronisation: the boundaries' values are read on the host only when ``cu_seqlens`` is a CPU
 tensor (free), or when it is on the device and no ``max_seqlen`` is given (one copy to the host, to
