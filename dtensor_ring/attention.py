@@ -7,8 +7,9 @@ AOTAutograd see as one node each and the graph pass expands. Both run the same s
 also calls the op eagerly while a dispatch mode is active (selective activation checkpointing's
 policy, ``FlopCounterMode``, ``CommDebugMode``): a mode sees an op as one call it can save, count or
 replay, but sees only the kernels and collectives inside an ``autograd.Function``. The
-eager path skips the custom op's per-call dispatch (argument binding and its autograd wrapper:
-0.16-0.36 ms per fwd+bwd call at 2K-4K tokens, H200), and its backward gets the 16-bit out's grad:
+eager path skips the custom op's per-call dispatch (argument binding and its autograd wrapper,
+host time that shows at short lengths: docs/design.md, "Measurements behind design choices"), and
+its backward gets the 16-bit out's grad:
 exact mode's fp32 out, kept for the backward, is not handed to autograd, so no fp32 gradient is
 made and cast back.
 """

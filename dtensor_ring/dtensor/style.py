@@ -341,12 +341,13 @@ class ContextParallel(ParallelStyle):
         Inside the model's forward the routing is active and the hooks do nothing. A submodule
         called on its own (outside the model's forward) runs its SDPA as the ring too: its inputs
         are this rank's tokens, like the model's. Only modules that can reach SDPA are hooked
-        (``_may_run_sdpa``: not torch.nn's Linear, norms, embeddings ...); the two hooks cost
-        ~6 us per call of a hooked module in eager mode (a CPU core of this project's CI) and
-        nothing compiled. While the routing is active the hooks mutate
-        nothing, so Dynamo traces them inside checkpointed regions; the mode they enter remembers
-        its owner (which hook leaves it) and is kept in ``entered`` (Dynamo, compiling a hook as a
-        frame of its own, can only rebuild a mode left on the stack from a place that holds it).
+        (``_may_run_sdpa``: not torch.nn's Linear, norms, embeddings ...); the two hooks cost a
+        little host time per call of a hooked module in eager mode (docs/design.md,
+        "Measurements behind design choices") and nothing compiled. While the routing is active
+        the hooks mutate nothing, so Dynamo traces them inside checkpointed regions; the mode
+        they enter remembers its owner (which hook leaves it) and is kept in ``entered``
+        (Dynamo, compiling a hook as a frame of its own, can only rebuild a mode left on the
+        stack from a place that holds it).
         """
         entered = []
 
