@@ -7,8 +7,9 @@ AOTAutograd see as one node each and the graph pass expands. Both run the same s
 also calls the op eagerly while a dispatch mode is active (selective activation checkpointing's
 policy, ``FlopCounterMode``, ``CommDebugMode``): a mode sees an op as one call it can save, count or
 replay, but sees only the kernels and collectives inside an ``autograd.Function``. The
-eager path skips the custom op's per-call dispatch (argument binding and its autograd wrapper:
-0.16-0.36 ms per fwd+bwd call at 2K-4K tokens, H200), and its backward gets the 16-bit out's grad:
+eager path skips the custom op's per-call dispatch (argument binding and its autograd wrapper,
+host time that shows at short lengths: docs/design.md, "Measurements behind design choices"), and
+its backward gets the 16-bit out's grad:
 exact mode's fp32 out, kept for the backward, is not handed to autograd, so no fp32 gradient is
 made and cast back.
 """
@@ -65,6 +66,13 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
                    cu_seqlens=None, max_seqlen=None, window=None):
     """Attention over the whole sequence from this rank's shards; returns this rank's output shard.
 
+    ``F.scaled_dot_product_attention`` of the whole (global) q, k, v, computed as a ring schedule
+    over the ranks of ``mesh``: each rank passes its shard of the sequence and gets its shard of
+    the output. A collective: every rank of ``mesh`` calls it with the same arguments (shapes,
+    schedule, options); ranks that disagree all raise the same ``ValueError`` before any
+    exchange (``consistency.py``). Differentiable in q, k and v; traceable by ``torch.compile``
+    (one custom-op node, expanded by the compile pass).
+
     q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] hold this rank's tokens in the schedule's
     layout (``shard_sequence(x, mesh, layout=SCHEDULE_LAYOUT[schedule])``).
 
@@ -83,6 +91,64 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
     first dimension on head groups gathered by an all-to-all over the second
     (``dtensor_ring/hybrid/``); the shards are then in the hybrid layout
     (``shard_sequence(x, mesh, layout=...)`` with the same 2-D mesh).
+
+    Args:
+        q (torch.Tensor): [B, Hq, S_local, D], this rank's queries; any floating dtype a block
+            kernel takes on its device (bf16 and fp16 run the fast kernels; fp32 runs too).
+        k (torch.Tensor): [B, Hkv, S_local, D], this rank's keys: q's dtype, device, batch,
+            local length and head dim; Hkv divides Hq (GQA: K/V travel at Hkv heads, never
+            repeated).
+        v (torch.Tensor): [B, Hkv, S_local, D], this rank's values, k's shape.
+        mesh (DeviceMesh | ProcessGroup): the sequence ranks, keyword-only: a 1-D
+            ``DeviceMesh`` (e.g. ``mesh["cp"]``) or a ``ProcessGroup``, or a 2-D ``DeviceMesh``
+            (ring ranks, all-to-all ranks), e.g. ``mesh["cp_ring", "cp_a2a"]``. A
+            ``DeviceMesh``'s device type must be the tensors'.
+        schedule (str): ``"zigzag"`` (default), ``"ring"``, ``"stripe"``, ``"llama3"`` (keys of
+            ``dr.SCHEDULES``) or ``"auto"`` (zigzag shards; the exchange picked per call:
+            docs/design.md, "The cost model of auto"). The shards must be in
+            ``dr.SCHEDULE_LAYOUT[schedule]``.
+        is_causal (bool): the causal mask over global positions (a query sees the keys at and
+            before its position; with documents, within its document). Default False.
+        scale (float | None): the softmax scale, a positive number; None (default):
+            1 / sqrt(D).
+        precision (str): ``"fp32"`` (default: each block's result merged and summed in fp32)
+            or ``"exact"`` (fp32 block results: error independent of the ranks' count).
+        backend (str): the block kernel: ``"auto"`` (default: the first available kernel of
+            the precision's registry, ``kernels/__init__.py``), a key of ``dr.BACKENDS``
+            (``precision="fp32"``) or of the exact kernels' registry (``*_exact``, either
+            precision).
+        attn_mask (None): must be None (SDPA's argument, not supported: use ``is_causal``,
+            ``cu_seqlens`` or ``window``).
+        dropout_p (float): must be 0.0 (SDPA's argument, not supported).
+        cu_seqlens (torch.Tensor | list[int] | None): packed documents' boundaries over the
+            global sequence, [0, l1, l1+l2, ..., S] with S = S_local x the mesh's size: a 1-D
+            integer tensor (on the CPU or on q's device) or a list of ints, strictly increasing;
+            each document the layout cuts across the ranks a multiple of its factor (zigzag:
+            2 x the ring's size, stripe: the ring's size; ``dr.pad_documents`` pads them).
+            None (default): one sequence per batch row.
+        max_seqlen (int | None): with ``cu_seqlens``, a positive bound on the longest
+            document's length, at least that length; None (default): read from ``cu_seqlens``
+            (one device-to-host copy when it is on the device).
+        window (tuple[int, int] | None): a sliding window ``(left, right)``, two ints >= -1
+            (-1: unbounded); 1-D meshes only. None (default): no window.
+
+    Returns:
+        torch.Tensor: this rank's output shard, [B, Hq, S_local, D] in q's dtype and device, in
+        the same layout as q (``dr.unshard_sequence`` gathers the whole output).
+
+    Raises:
+        TypeError: q, k or v not a tensor; ``is_causal`` not a bool; ``mesh`` not a
+            ``DeviceMesh`` or ``ProcessGroup``; ``cu_seqlens`` not an integer tensor or a list
+            of ints.
+        ValueError: (each naming the argument, its value and what is valid) q, k, v not 4-D,
+            not floating point, or with mismatched dtypes, devices, batch, local length or
+            head dim, or Hkv not dividing Hq; a local length the layout cannot hold (zigzag:
+            even); an unknown ``schedule``, ``precision`` or ``backend``, or a backend that
+            cannot run these inputs; ``scale`` not positive; ``attn_mask`` or ``dropout_p``
+            given; a malformed ``window``, or one on a 2-D mesh; ``cu_seqlens`` / ``max_seqlen``
+            not as described; tensors on another device type than the mesh's; on a 2-D mesh,
+            head counts that do not split over the all-to-all ranks; ranks whose calls
+            disagree.
     """
     seq_mesh = resolve_mesh(mesh)
     world = seq_mesh.world_size
@@ -197,6 +263,33 @@ def simulate_ring(q, k, v, *, world_size, schedule="zigzag", is_causal=False, sc
     ``world_size``: W ranks of a 1-D mesh, or (ring ranks, all-to-all ranks) of a 2-D one, e.g.
     ``(8, 8)`` for W = 64 as 8 nodes of 8 GPUs. ``cu_seqlens`` / ``max_seqlen``: packed documents,
     ``window``: a sliding window (1-D only), as in ``ring_attention``.
+
+    No process group is needed: the ranks are simulated one after another in this process, and
+    their exchanges are copies. Differentiable in q, k and v (the backward runs the schedule's
+    backward on the simulated ranks).
+
+    Args:
+        q (torch.Tensor): [B, Hq, S, D], the whole sequence's queries in natural order; any
+            floating dtype a block kernel takes on its device.
+        k (torch.Tensor): [B, Hkv, S, D]: q's dtype, device, batch, length and head dim; Hkv
+            divides Hq.
+        v (torch.Tensor): [B, Hkv, S, D], k's shape.
+        world_size (int | tuple[int, int]): keyword-only: W >= 1 simulated ranks of a 1-D
+            mesh, or (ring ranks, all-to-all ranks) of a 2-D one, each >= 1. S must split as
+            the schedule's layout needs on them (zigzag: S a multiple of 2W).
+        schedule, is_causal, scale, precision, backend, attn_mask, dropout_p, cu_seqlens,
+            max_seqlen, window: as in ``ring_attention`` (``cu_seqlens`` over S).
+
+    Returns:
+        torch.Tensor: the whole output, [B, Hq, S, D] in q's dtype and device, in natural
+        order: what ``ring_attention`` on ``world_size`` ranks gives, unsharded (the same bits
+        on gloo ranks: tests/test_ring_attention_gloo.py).
+
+    Raises:
+        ValueError: ``world_size`` not a positive int or a pair of them; S not divisible as the
+            layout needs; on a 2-D ``world_size``, head counts that do not split over its
+            all-to-all ranks; and every error of ``ring_attention`` (TypeError included) but
+            the mesh's and the ranks' disagreement.
     """
     shape = _mesh_shape(world_size)
     check_qkv(q, k, v)

@@ -41,14 +41,43 @@ SAVED_OPS = frozenset((torch.ops.dtensor_ring.ring_attention_fwd.default,
 
 def save_ring_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Selective-checkpointing policy: save the attention outputs (``SAVED_OPS``), recompute the
-    rest."""
+    rest.
+
+    The signature of a policy for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
+    (``save_ring_attention_context`` builds the contexts from it).
+
+    Args:
+        ctx: the ``SelectiveCheckpointContext`` of the call (unused).
+        op (torch._ops.OpOverload): the op about to run, e.g.
+            ``torch.ops.dtensor_ring.ring_attention_fwd.default``.
+        *args, **kwargs: the op's arguments (unused).
+
+    Returns:
+        CheckpointPolicy: ``MUST_SAVE`` for the ring's and the hybrid's forward ops and SDPA's
+        aten forward ops (the DTensor rule runs the ring inside those), ``PREFER_RECOMPUTE`` for
+        every other op.
+    """
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def save_ring_attention_context(also_save=()):
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` and
     ``checkpoint_wrapper``: selective checkpointing with ``save_ring_attention``. ``also_save``:
-    more ops to save (e.g. ``torch.ops.aten.mm.default``), through ``functools.partial``."""
+    more ops to save (e.g. ``torch.ops.aten.mm.default``), through ``functools.partial``.
+
+    Args:
+        also_save (Iterable[torch._ops.OpOverload]): ops to save besides the attention outputs,
+            e.g. ``(torch.ops.aten.mm.default,)``. Default: none.
+
+    Returns:
+        tuple: the (forward context, recompute context) pair of
+        ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, as ``context_fn`` must
+        return.
+
+    Raises:
+        TypeError: an entry of ``also_save`` that is not an op overload (e.g. an
+            ``OpOverloadPacket`` such as ``torch.ops.aten.mm``).
+    """
     extra = frozenset(also_save)
     for op in extra:
         if not isinstance(op, torch._ops.OpOverload):

@@ -77,11 +77,12 @@ def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
 # cuDNN's attention kernels are persistent: one block per SM, with more shared memory than leaves
 # room for an NCCL block beside it. The kernel a schedule launches right after posting a ring
 # shift becomes ready at the same instant as NCCL's (both wait for the same last kernel), takes
-# every SM, and NCCL starts only as it drains: on 2xH200 the forward's K/V send started 790 us
-# into an 890 us kernel, with NCCL's streams at high priority or not (priority orders waiting
-# blocks, it does not make room). A one-block wait of ~10 us on the compute stream after posting
-# lets NCCL's blocks onto the SMs first. (The backward has such a gap already: cuDNN's small
-# dot(dO, O) kernel runs before each of its persistent kernels.)
+# every SM, and NCCL starts only as it drains: the forward's K/V send started near the kernel's
+# end, with NCCL's streams at high priority or not (priority orders waiting blocks, it does not
+# make room; measured: docs/design.md, "Measurements behind design choices"). A one-block wait
+# of NCCL_HEAD_START_CYCLES GPU clock cycles on the compute stream after posting lets NCCL's
+# blocks onto the SMs first. (The backward has such a gap already: cuDNN's small dot(dO, O)
+# kernel runs before each of its persistent kernels.)
 NCCL_HEAD_START_CYCLES = 20_000
 
 

@@ -10,11 +10,11 @@ the ranks and their values.
 
 How: a call's *signature* is the tuple of ``FIELDS`` (below). The first time a rank sees a signature
 on a process group, the ranks all-gather it: one int64 tensor of ``len(FIELDS)`` values per rank
-(strings hashed), one small collective on the ring's own group. If every rank holds the same
-values the signature is remembered for that group and later calls with it pay a dict lookup (about
-1 us); if not, every rank raises the same ``ValueError`` (all of them see the same gathered table),
-before any of them posts an exchange: nobody is left waiting. A signature that failed is not
-remembered, so a repeated mistake raises again.
+(strings hashed), one small collective on the ring's own group. If every rank holds the same values
+the signature is remembered for that group and later calls with it pay a lookup, no collective; if
+not, every rank raises the same ``ValueError`` (all of them see the same gathered table), before any
+of them posts an exchange: nobody is left waiting. A signature that failed is not remembered, so a
+repeated mistake raises again.
 
 On a 2-D mesh (ring x all-to-all, ``hybrid/``) the group is one of all the mesh's ranks
 (``mesh.whole_group``) and the signature holds the mesh's shape, so ranks calling with meshes of
@@ -36,10 +36,9 @@ the eager calls and to each trace, not to every run of a compiled graph. Likewis
 with a symbolic (dynamic) length is checked for the length it was traced with, not again for the
 other lengths it then runs. ``set_mode("off")`` skips the check.
 
-Cost, measured on 2 gloo ranks on a shared 2-core CPU (torch 2.13): the first call of a signature
-adds one all-gather, 0.4-0.7 ms; a checked signature costs 1.3 us per call (building the key and
-a set lookup), below the noise of the ring call itself (0.8-1.5 ms for a small zigzag forward,
-[1, 4, 64, 32] query shards, timed with the check on and off: no difference beyond that noise).
+Cost: the first call of a signature adds one small all-gather; a checked signature costs building
+the key and a set lookup per call, below the noise of the ring call itself (timed with the check on
+and off: docs/design.md, "Measurements behind design choices").
 """
 import hashlib
 import os

@@ -97,8 +97,9 @@ def _full_weights_and_grads(model):
 
 def _gather_whole(tensors):
     """The whole tensors of FSDP2's dim-0 shards (DTensors ``Shard(0)`` on a 1-D mesh) in one
-    all-gather of all of them, not one per tensor (``full_tensor``: two per parameter and step,
-    ~6 s of a 50 s demo schedule on gloo); other tensors are returned as they are."""
+    all-gather of all of them, not one per tensor (``full_tensor``: two collectives per parameter
+    and step, a noticeable share of the demo's time on gloo); other tensors are returned as they
+    are."""
     sharded = [i for i, t in enumerate(tensors) if isinstance(t, DTensor)]
     if not sharded:
         return list(tensors)

@@ -9,8 +9,7 @@ of every document, contiguous cuts the packed row into W equal parts (documents 
 ``Documents`` carries one call's boundaries to the layouts and kernels: the boundaries as an int32
 tensor on the compute device, and a host bound on the longest document, which sizes the varlen
 kernels' grids (PyTorch's flash varlen op launches ceil(max_len / tile) programs per segment, so a
-loose bound costs idle programs: measured on an H100, the backward of one zigzag step at 8K local
-tokens and 49 documents took 2.2 ms with the bound at the local length, 1.0 ms with the true one).
+loose bound costs idle programs, and time: docs/design.md, "Measurements behind design choices").
 
 Host synchronisation: the boundaries' values are read on the host only when ``cu_seqlens`` is a CPU
 tensor (free), or when it is on the device and no ``max_seqlen`` is given (one copy to the host, to
@@ -197,7 +196,19 @@ def document_multiple(schedule: str, world_size: int) -> int:
     """A multiple for every packed document's length (``pad_documents``' ``multiple``) that makes
     a row ``schedule`` takes on ``world_size`` ranks: 2W (zigzag, llama3, auto), W (stripe, ring).
     The layout's own rule is the first factor; the row must also split into W equal parts, which
-    ``ring`` (any document lengths) needs of the row alone: documents padded to W give that."""
+    ``ring`` (any document lengths) needs of the row alone: documents padded to W give that.
+
+    Args:
+        schedule (str): ``"auto"`` or a key of ``dr.SCHEDULES`` (``"ring"``, ``"zigzag"``,
+            ``"stripe"``, ``"llama3"``).
+        world_size (int): the ranks of the ring, >= 1.
+
+    Returns:
+        int: the multiple (2 * world_size or world_size).
+
+    Raises:
+        ValueError: an unknown ``schedule``; ``world_size`` not a positive int.
+    """
     from .schedules import get_schedule  # noqa: PLC0415 - schedules import the layouts
 
     check_int(world_size, "world_size", 1, "a positive int")
@@ -234,6 +245,44 @@ def pad_documents(input_ids: torch.Tensor, cu_seqlens, *, world_size: int | None
     new boundaries (an int32 CPU tensor) and ``source``: where each token comes from in the
     input row (-1: padding), to order other per-token tensors alike (``x.index_select(dim,
     source.clamp(min=0))``).
+
+    Args:
+        input_ids (torch.Tensor): the packed row(s) of token ids along ``dim``, any integer (or
+            other) dtype, any leading batch dims, on any device.
+        cu_seqlens (torch.Tensor | list[int]): the documents' boundaries over
+            ``input_ids.shape[dim]``, [0, l1, l1+l2, ..., S], strictly increasing: a 1-D
+            integer tensor (read on the host) or a list of ints.
+        world_size (int | None): keyword-only: the ranks that will hold the row (>= 1): order
+            and pad for placement. Exactly one of ``world_size`` and ``multiple``.
+        length (int | None): with ``world_size``, the padded row's length, a multiple of
+            2 * world_size; None (default): the shortest that works.
+        multiple (int | None): pad each document where it is to a multiple of this positive
+            int instead (``dr.document_multiple(schedule, W)``).
+        labels (torch.Tensor | None): labels of input_ids' shape, padded with -100; None
+            (default): none.
+        pad_id (int): the padding token's id. Default 0.
+        dim (int): the sequence dim of ``input_ids``, negative counting from the end. Default
+            -1.
+
+    Returns:
+        PaddedDocuments: a named tuple of
+            ``input_ids``: input_ids' shape with the padded length L along ``dim``, its dtype
+            and device;
+            ``labels``: the same shape, labels' dtype (-100 at padding), or None;
+            ``position_ids``: int64, input_ids' padded shape (an expanded view), on its device:
+            each token's position within its document;
+            ``cu_seqlens``: int32, 1-D, on the CPU: the new boundaries over L (padding
+            documents included);
+            ``source``: int64, [L], on the CPU: each token's index in the input row, -1 for
+            padding.
+
+    Raises:
+        TypeError: ``input_ids`` or ``labels`` not a tensor.
+        ValueError: both or neither of ``world_size`` and ``multiple``; ``length`` with
+            ``multiple``, or not a multiple of 2 * world_size, or too short for the documents;
+            ``world_size`` or ``multiple`` not a positive int; ``dim`` out of range;
+            ``cu_seqlens`` not boundaries of ``input_ids.shape[dim]``; ``labels`` of another
+            shape.
     """
     from .layouts.placement import plan_row  # noqa: PLC0415 - the layouts import this module
 

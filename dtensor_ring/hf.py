@@ -87,7 +87,39 @@ class _Settings(NamedTuple):
 
 def apply(model, mesh, schedule: str = "auto", precision: str = "fp32", backend: str = "auto"):
     """Make the transformers causal LM ``model`` train with context parallelism over ``mesh``
-    (1-D, e.g. ``mesh["cp"]``), running attention as ``schedule``; returns ``model``."""
+    (1-D, e.g. ``mesh["cp"]``), running attention as ``schedule``; returns ``model``.
+
+    What changes (the module docstring above): a ``ContextParallel`` style shards the sequence
+    inputs and fills ``position_ids``, labels are shifted over the whole sequence and the loss
+    divided by the whole batch's count, and the model's attention runs ``dr.ring_attention``
+    (causal, with each layer's sliding window). Every rank then calls the model with the whole
+    batch.
+
+    Args:
+        model (transformers.PreTrainedModel): a causal LM (``loss_type`` "ForCausalLM", e.g.
+            ``LlamaForCausalLM``) whose attention goes through transformers'
+            ``AttentionInterface``, loaded with ``attn_implementation="sdpa"``.
+        mesh (DeviceMesh): the sequence ranks, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]``).
+        schedule (str): ``"auto"`` (default), ``"ring"``, ``"zigzag"``, ``"stripe"`` or
+            ``"llama3"``, as in ``dr.ring_attention``.
+        precision (str): ``"fp32"`` (default) or ``"exact"``.
+        backend (str): ``"auto"`` (default) or a kernel name, as in ``dr.ring_attention``.
+
+    Returns:
+        transformers.PreTrainedModel: ``model`` itself, hooked, with its attention
+        implementation set to ``"dtensor_ring"``. Its outputs (``logits``) hold this rank's
+        tokens in the layout's order; its ``loss`` is this rank's share (their mean over the
+        ranks is the whole batch's loss).
+
+    Raises:
+        ValueError: ``model`` not a transformers causal LM, or its attention implementation not
+            ``"sdpa"`` through ``AttentionInterface``; ``mesh`` not a 1-D ``DeviceMesh``; an
+            unknown ``schedule`` or ``precision``. At each forward: the call-time refusals of the
+            module docstring (a padding ``attention_mask``, a KV cache, ``logits_to_keep``,
+            attention dropout, non-causal attention, attention sinks, soft-capping) and the
+            errors of ``ContextParallel`` and ``dr.ring_attention``.
+        TypeError: ``backend`` not a str.
+    """
     _check_model(model)
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ValueError(f"mesh={mesh!r} must be a 1-D DeviceMesh (e.g. mesh['cp'] of a larger "

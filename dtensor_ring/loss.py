@@ -45,6 +45,27 @@ def global_mean_loss(loss_sum: torch.Tensor, count, mesh) -> torch.Tensor:
     normalisation). Returns ``loss_sum * N / (the N ranks' total count)``: its mean over the ranks
     is the mean over all their valid labels, and the gradients averaged over them are that mean's.
     One all-reduce of the count (traceable: ``torch.compile`` keeps it in the graph).
+
+    A collective: every rank of ``mesh`` calls it.
+
+    Args:
+        loss_sum (torch.Tensor): the sum of this rank's token losses, a floating-point tensor
+            (usually a scalar), on the device the mesh's collectives run on.
+        count (int | torch.Tensor): the number of valid labels summed into ``loss_sum``: a
+            non-negative int or a one-element integer tensor.
+        mesh (DeviceMesh | ProcessGroup): the ranks whose gradients are averaged: a 1-D
+            ``DeviceMesh`` (e.g. ``mesh["cp"]``, or a flattened data x context mesh) or a
+            ``ProcessGroup``.
+
+    Returns:
+        torch.Tensor: ``loss_sum * N / total``, loss_sum's shape, dtype and device
+        (differentiable in ``loss_sum``; N: the ranks, total: the sum of their counts; a total
+        of 0 gives inf or nan, as a mean over no labels).
+
+    Raises:
+        TypeError: ``loss_sum`` not a floating-point tensor; ``count`` not a non-negative int or
+            a one-element integer tensor; ``mesh`` not a ``DeviceMesh`` or ``ProcessGroup``.
+        ValueError: ``mesh`` a ``DeviceMesh`` of more than one dimension.
     """
     if not isinstance(loss_sum, torch.Tensor) or not loss_sum.dtype.is_floating_point:
         raise TypeError(f"loss_sum must be a floating-point tensor (a sum of token losses); got "

@@ -34,7 +34,39 @@ def _documents(cu_seqlens, layout, seq_len, world, device):
 def shard_sequence(x: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag", *,
                    cu_seqlens=None) -> torch.Tensor:
     """This rank's shard of the whole sequence ``x`` (same on every rank) in ``layout``; with
-    ``cu_seqlens`` (packed documents), in the layout's per-document form."""
+    ``cu_seqlens`` (packed documents), in the layout's per-document form.
+
+    No communication: each rank selects its own tokens (``Layout.positions``). This is the form
+    ``ring_attention`` takes for ``layout=dr.SCHEDULE_LAYOUT[schedule]``. On a 2-D mesh (ring
+    ranks, all-to-all ranks) the hybrid layout: the named layout over the ring ranks, each shard
+    cut contiguously over the all-to-all ranks (``hybrid/layout.py``).
+
+    Args:
+        x (torch.Tensor): the whole sequence, the same on every rank; any shape, dtype and
+            device, with the sequence along ``dim``.
+        mesh (DeviceMesh | ProcessGroup): the sequence ranks: a 1-D ``DeviceMesh`` or a
+            ``ProcessGroup``, or a 2-D ``DeviceMesh`` (ring ranks, all-to-all ranks). A
+            ``DeviceMesh``'s device type must be x's.
+        dim (int): the sequence dim of ``x``, negative counting from the end. Default 2 (the
+            ``[B, H, S, D]`` of attention).
+        layout (str): ``"zigzag"`` (default), ``"contiguous"`` or ``"stripe"`` (keys of
+            ``dr.LAYOUTS``; a schedule's is ``dr.SCHEDULE_LAYOUT[schedule]``).
+        cu_seqlens (torch.Tensor | list[int] | None): keyword-only: packed documents'
+            boundaries over ``x.shape[dim]``, as in ``ring_attention``. None (default): one
+            sequence.
+
+    Returns:
+        torch.Tensor: this rank's shard, x's shape with ``x.shape[dim] // W`` along ``dim``
+        (W: the mesh's size), x's dtype and device; a new tensor (``index_select``), not a
+        view; differentiable.
+
+    Raises:
+        TypeError: ``x`` not a tensor; ``mesh`` not a ``DeviceMesh`` or ``ProcessGroup``;
+            ``cu_seqlens`` of a wrong type.
+        ValueError: ``dim`` out of range; an unknown ``layout``; ``x.shape[dim]`` not divisible
+            as the layout needs (zigzag: by 2W); x on another device type than the mesh's;
+            ``cu_seqlens`` not valid boundaries of ``x.shape[dim]`` for the layout.
+    """
     check_tensor(x, "x")
     check_device(mesh, x, "x")
     dim = normalize_dim(x, dim)
@@ -47,7 +79,35 @@ def shard_sequence(x: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag", 
 
 def unshard_sequence(x_local: torch.Tensor, mesh, dim: int = 2, layout: str = "zigzag", *,
                      cu_seqlens=None) -> torch.Tensor:
-    """The whole sequence in natural order, on every rank (differentiable)."""
+    """The whole sequence in natural order, on every rank (differentiable): the inverse of
+    ``shard_sequence``.
+
+    A collective: every rank of ``mesh`` calls it (one all-gather per mesh dimension). Its
+    backward is the all-gather's: a reduce-scatter, so each rank's shard gets the sum over the
+    ranks of the gradient at its tokens.
+
+    Args:
+        x_local (torch.Tensor): this rank's shard in ``layout``, any shape, dtype and device,
+            with the local sequence along ``dim``; the same shape on every rank.
+        mesh (DeviceMesh | ProcessGroup): the sequence ranks, as in ``shard_sequence``.
+        dim (int): the sequence dim of ``x_local``, negative counting from the end. Default 2.
+        layout (str): the layout the shards are in: ``"zigzag"`` (default), ``"contiguous"``
+            or ``"stripe"``.
+        cu_seqlens (torch.Tensor | list[int] | None): keyword-only: the packed documents'
+            boundaries the shards were made with (over the whole sequence), or None (default).
+
+    Returns:
+        torch.Tensor: the whole sequence in natural order, x_local's shape with
+        ``x_local.shape[dim] * W`` along ``dim``, x_local's dtype and device; the same on every
+        rank.
+
+    Raises:
+        TypeError: ``x_local`` not a tensor; ``mesh`` not a ``DeviceMesh`` or ``ProcessGroup``;
+            ``cu_seqlens`` of a wrong type.
+        ValueError: ``dim`` out of range; an unknown ``layout``; a local length the layout
+            cannot hold (zigzag: even); x_local on another device type than the mesh's;
+            ``cu_seqlens`` not valid boundaries of the whole sequence for the layout.
+    """
     check_tensor(x_local, "x_local")
     check_device(mesh, x_local, "x_local")
     dim = normalize_dim(x_local, dim)
@@ -73,7 +133,29 @@ def from_rank_major(x: torch.Tensor, layout: Layout, world_size: int, dim: int,
 def sequence_positions(seq_len: int, mesh, layout: str = "zigzag", device=None, *,
                        cu_seqlens=None) -> torch.Tensor:
     """Positions (int64) of this rank's tokens, e.g. for RoPE: global positions, or with
-    ``cu_seqlens`` each token's position within its document."""
+    ``cu_seqlens`` each token's position within its document.
+
+    No communication. Without documents, the same as ``shard_sequence(torch.arange(seq_len),
+    mesh, dim=0, layout=layout)``.
+
+    Args:
+        seq_len (int): the whole sequence's length, divisible as the layout needs on the mesh.
+        mesh (DeviceMesh | ProcessGroup): the sequence ranks, as in ``shard_sequence``.
+        layout (str): ``"zigzag"`` (default), ``"contiguous"`` or ``"stripe"``.
+        device (torch.device | str | None): where to put the result; None (default): the CPU.
+        cu_seqlens (torch.Tensor | list[int] | None): keyword-only: packed documents'
+            boundaries over ``seq_len``, as in ``ring_attention``; None (default): one sequence.
+
+    Returns:
+        torch.Tensor: int64, [seq_len // W], on ``device``: the position of each of this
+        rank's tokens, in the order ``shard_sequence`` puts them.
+
+    Raises:
+        TypeError: ``seq_len`` not an int; ``mesh`` not a ``DeviceMesh`` or ``ProcessGroup``;
+            ``cu_seqlens`` of a wrong type.
+        ValueError: an unknown ``layout``; ``seq_len`` not divisible as the layout needs;
+            ``cu_seqlens`` not valid boundaries of ``seq_len`` for the layout.
+    """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int):
         raise TypeError(f"seq_len must be an int; got {seq_len!r}")
     lay, rank, world, _ = _placed(mesh, layout)

@@ -15,17 +15,17 @@ posts it.
 Why not PyTorch's functional collectives, as the pass used first. Torch 2.11 has no traceable
 send/recv (``_c10d_functional.isend`` and ``batch_p2p_ops`` came in 2.12); the
 ``all_to_all_single`` that stood in for it (one non-zero split each way) posts a send and a
-receive to every rank, one collective per tensor, with no head start: on 4 H100s, 8K tokens per
-GPU, 32/8 heads, compiled zigzag took 1.37x eager's time. And inductor moved llama3's all-gathers
-and reduce-scatters down to just before their waits, after the compute they were posted to
-overlap (compiled llama3: 1.17-1.24x eager).
+receive to every rank, one collective per tensor, with no head start: compiled zigzag was
+slower than eager. And inductor moved llama3's all-gathers and reduce-scatters down to just
+before their waits, after the compute they were posted to overlap (measured: docs/design.md,
+"Measurements behind design choices"; now: docs/results.md, "torch.compile against eager").
 
 What inductor must not do, and how it is kept from it:
 
 * Reorder posts. Collectives must be posted in the same order on every rank, and NCCL pairs a
   rank's sends with its neighbour's receives in the order they are posted, but inductor schedules
-  each rank's graph (other blocks on every rank) on its own: on 4 H100s that gave wrong dK/dV
-  (zigzag) and NaN (llama3). Each post takes the previous one's handle (``after``; the pass
+  each rank's graph (other blocks on every rank) on its own: on real GPU ranks that gave wrong
+  dK/dV (zigzag) and NaN (llama3). Each post takes the previous one's handle (``after``; the pass
   threads it through every ring node of a graph), a data dependency that fixes their order.
 * Reuse a buffer being sent. Inductor plans the reuse of a buffer from its last use in the graph;
   the transfer reads it until the wait. ``wait_exchange`` takes the sent tensors too, only to be

@@ -25,9 +25,9 @@ backward's dK/dV of the rank's own blocks with the accumulator that comes home u
 Both may update their tensors in place, and a 1-D row vector (lse) is held by several threads at
 once (Triton replicates it across the threads of the 2-D tile's rows): a thread that ran ahead
 could store the new lse before another thread holding the same row had loaded the old one, which
-then weighs that row of out wrongly. Measured on an H200: 6 of 3000 merges differed in a row while
-another stream loaded memory. So every load completes, in every thread, before the first store: a
-CTA barrier between them.
+then weighs that row of out wrongly. Seen on CUDA while another stream loaded memory (a few merges
+in thousands: docs/design.md, "Measurements behind design choices"). So every load completes, in
+every thread, before the first store: a CTA barrier between them.
 
 Tensors may be any strided views ([B, H, S, D] / [B, H, S]: the schedules merge row slices in
 place). ``block_lse = -inf`` (a row that saw no key in this block) leaves the row unchanged.

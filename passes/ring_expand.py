@@ -45,7 +45,7 @@ traces (it reads the registry below Dynamo), so without them the caches (AOTAuto
 FX graph cache, in memory and on disk) would hand a graph traced under one schedule to a run
 under another. And it includes a hash of the package's source (``source_key``): the on-disk cache
 outlives the process, and handed a run of one version of the code the expansion another version
-had traced (seen on an H100: a checkout of an older commit ran a newer commit's cached graph).
+had traced (seen: a checkout of an older commit ran a newer commit's cached graph).
 """
 import collections
 import functools

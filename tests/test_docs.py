@@ -1,4 +1,5 @@
-"""The docs: every relative link resolves, and docs/make_layouts.py's picture is the package's own.
+"""The docs: every relative link resolves, docs/make_layouts.py's picture is the package's own, and
+every public name documents its arguments and result.
 
 Every relative link (and image) in README.md and docs/*.md must name a file of the repository,
 and an anchor a heading of that file (GitHub's slugs).
@@ -10,6 +11,7 @@ the K/V of the k token's owner (step = (r - owner) mod W). Drawing needs matplot
 without it); the data checks do not.
 """
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 
@@ -48,6 +50,59 @@ def test_relative_links_resolve(page):
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 120
+
+
+PUBLIC_FUNCTIONS = [name for name in dr.__all__ if callable(getattr(dr, name))]
+
+
+def _section(doc: str, header: str) -> str:
+    """The text of a Google-style section (``Args:``, ``Returns:``) up to the next header."""
+    match = re.search(rf"^ *{header}:\n(.*?)(?=^ *[A-Z][a-z]+:\n|\Z)", doc,
+                      flags=re.MULTILINE | re.DOTALL)
+    return match.group(1) if match else ""
+
+
+def _public(name):
+    if name == "hf.apply":
+        pytest.importorskip("transformers")
+        import dtensor_ring.hf  # noqa: PLC0415 - needs transformers
+
+        return dtensor_ring.hf.apply
+    return getattr(dr, name)
+
+
+@pytest.mark.parametrize("name", [*PUBLIC_FUNCTIONS, "hf.apply"])
+def test_public_functions_document_every_argument_and_the_result(name):
+    """Each public function or class has a docstring with an Args section naming every parameter
+    of its signature (a class: its constructor's) and a Returns section."""
+    obj = _public(name)
+    doc = inspect.getdoc(obj) or ""
+    args, returns = _section(doc, "Args"), _section(doc, "Returns")
+    assert args.strip() and returns.strip(), f"{name}: no Args: or no Returns: section"
+    params = [p for p in inspect.signature(obj).parameters if p != "self"]
+    missing = [p for p in params if not re.search(rf"\b{p}\b", args)]
+    assert not missing, f"{name}: Args: does not name {missing}"
+
+
+def test_public_registries_are_described_in_the_package_docstring():
+    registries = [name for name in dr.__all__ if name not in PUBLIC_FUNCTIONS]
+    assert registries  # BACKENDS, LAYOUTS, SCHEDULES, SCHEDULE_LAYOUT
+    missing = [name for name in registries if f"``{name}``:" not in dr.__doc__]
+    assert not missing, f"dtensor_ring's docstring does not describe {missing}"
+
+
+def test_the_docstring_check_fails_on_a_missing_argument():
+    """The check above can fail: a function whose Args: leave out one parameter is caught."""
+    def documented(a, b):
+        """Args:
+            a (int): one.
+
+        Returns:
+            int: a + b.
+        """
+    args = _section(inspect.getdoc(documented), "Args")
+    assert re.search(r"\ba\b", args) and not re.search(r"\bb\b", args)
+    assert _section("Nothing here.", "Args") == ""
 
 
 @pytest.fixture(scope="module")

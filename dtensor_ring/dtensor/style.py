@@ -229,6 +229,48 @@ class ContextParallel(ParallelStyle):
     ``window``: a sliding window for every SDPA the module runs, as in ``dr.ring_attention``
     (``(w - 1, 0)`` for a Mistral-style window of w tokens; per-layer windows: ``dtensor_ring.hf``
     takes them from the model's config, or call ``dr.ring_attention`` with ``window=``).
+
+    Use: ``parallelize_module(module, mesh, dr.ContextParallel(...))``, or as the style of a plan
+    entry. What it does to the module, its inputs and outputs: the module docstring above. Every
+    rank of the mesh calls the module with the whole (global) batch.
+
+    Args:
+        schedule (str): ``"zigzag"`` (default), ``"ring"``, ``"stripe"``, ``"llama3"`` (keys of
+            ``dr.SCHEDULES``) or ``"auto"``; the inputs are sharded in
+            ``dr.SCHEDULE_LAYOUT[schedule]``.
+        seq_dim (int): keyword-only, as are all that follow: the sequence dim of the module's
+            sequence inputs, >= 0. Default 1 ([batch, seq] token ids).
+        precision (str): ``"fp32"`` (default) or ``"exact"``, as in ``dr.ring_attention``.
+        backend (str): ``"auto"`` (default) or a kernel name, as in ``dr.ring_attention``.
+        seq_inputs (Sequence[str] | None): the names of the forward's arguments to shard; each
+            must be passed on every call. None (default): every tensor argument but the
+            documents' boundaries and ``num_items_in_batch``.
+        position_ids (str | None): the forward parameter to fill with this rank's positions
+            when the call gives none. Default ``"position_ids"``; None: never fill (and do not
+            look for documents in positions).
+        documents (bool): look for packed documents, in ``cu_seqlens`` (or ``cu_seq_lens_q`` /
+            ``cu_seq_lens_k``) and in ``position_ids`` that restart. Default True.
+        window (tuple[int, int] | None): a sliding window ``(left, right)`` for every SDPA the
+            module runs, two ints >= -1 (-1: unbounded), as in ``dr.ring_attention``; 1-D
+            meshes only. None (default): no window.
+
+    Returns:
+        ContextParallel: the style. ``parallelize_module(module, mesh, style)`` returns
+        ``module`` itself, hooked; the mesh must be a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]``)
+        or a 2-D one (ring ranks, all-to-all ranks). The module's outputs hold this rank's
+        tokens in the layout's order (``dr.unshard_sequence`` gathers them).
+
+    Raises:
+        ValueError: here: an unknown ``schedule``; ``seq_dim`` not a non-negative int; a
+            malformed ``window``. At ``parallelize_module``: a mesh that is not a 1-D or 2-D
+            ``DeviceMesh``; a ``window`` with a 2-D mesh; an unknown ``precision``; a
+            transformers model (use ``dtensor_ring.hf.apply``). At each forward: a mask
+            argument (``attention_mask``, ``attn_mask``, ``mask``) given as a tensor; a name
+            of ``seq_inputs`` the call did not pass; a sequence input without ``seq_dim`` or of
+            another length than the others, or of a length the layout cannot split; boundaries
+            given with ``documents=False``; and the errors of ``dr.ring_attention``.
+        TypeError: here: ``seq_inputs`` not None or a sequence of names; ``documents`` not a
+            bool. At ``parallelize_module``: ``backend`` not a str.
     """
 
     _takes_transformers = False  # dtensor_ring.hf.apply's subclass takes transformers models
@@ -342,12 +384,13 @@ class ContextParallel(ParallelStyle):
         Inside the model's forward the routing is active and the hooks do nothing. A submodule
         called on its own (outside the model's forward) runs its SDPA as the ring too: its inputs
         are this rank's tokens, like the model's. Only modules that can reach SDPA are hooked
-        (``_may_run_sdpa``: not torch.nn's Linear, norms, embeddings ...); the two hooks cost
-        ~6 us per call of a hooked module in eager mode (a CPU core of this project's CI) and
-        nothing compiled. While the routing is active the hooks mutate
-        nothing, so Dynamo traces them inside checkpointed regions; the mode they enter remembers
-        its owner (which hook leaves it) and is kept in ``entered`` (Dynamo, compiling a hook as a
-        frame of its own, can only rebuild a mode left on the stack from a place that holds it).
+        (``_may_run_sdpa``: not torch.nn's Linear, norms, embeddings ...); the two hooks cost a
+        little host time per call of a hooked module in eager mode (docs/design.md,
+        "Measurements behind design choices") and nothing compiled. While the routing is active
+        the hooks mutate nothing, so Dynamo traces them inside checkpointed regions; the mode
+        they enter remembers its owner (which hook leaves it) and is kept in ``entered``
+        (Dynamo, compiling a hook as a frame of its own, can only rebuild a mode left on the
+        stack from a place that holds it).
         """
         entered = []
 

@@ -8,14 +8,15 @@ top-left for square blocks, so it offers both causal masks; cuDNN's is top-left 
 Packed documents: PyTorch's flash op has a varlen form (``_flash_attention_forward`` /
 ``_backward`` with cumulative boundaries, one batch row at a time as [S, H, D] views); it is the
 document kernel of fp32 mode on CUDA. cuDNN's ragged form (``_cudnn_attention_forward`` with
-boundaries) is not used: on an H100 (torch 2.11, cuDNN 9.19) it took 50-70 ms per call where
-flash's took 0.2-0.4 ms, and gave wrong rows for causal segments of unequal lengths.
+boundaries) is not used: with torch 2.11 and cuDNN 9.19 it was orders of magnitude slower than
+flash's, and gave wrong rows for causal segments of unequal lengths (docs/design.md, "Measurements
+behind design choices").
 
 Strided inputs: the schedules pass row slices of [B, H, S, D] tensors (zigzag's half blocks).
-Measured on an H200 (torch 2.11, cuDNN 9.19): cuDNN's forward and backward and flash's forward
-give the same results on the views as on contiguous copies, so they get the views (a copy was
-40-54 us per tensor at 8K tokens); flash's backward gives wrong gradients on row-sliced
-q/dout/out/lse views, so it gets contiguous copies (``backward_takes_views``).
+With torch 2.11 and cuDNN 9.19, cuDNN's forward and backward and flash's forward give the same
+results on the views as on contiguous copies, so they get the views (a copy per tensor costs a
+pass over it); flash's backward gives wrong gradients on row-sliced q/dout/out/lse views, so it
+gets contiguous copies (``backward_takes_views``).
 
 Sliding windows: an edge block's band goes to PyTorch's flash op with window sizes, for both
 kernels (cuDNN through PyTorch takes no window); ``windows.py``.
@@ -115,11 +116,12 @@ class Cudnn(_CudaKernel):
 # (``MHAParams`` in aten/src/ATen/native/cudnn/MHA.cpp; one cache per thread, never cleared), but
 # the plan holds the strides of out, dout and the LSE of the call that built it. A later call with
 # the same q, k and v and other out/dout/LSE strides runs that plan on its own pointers: silently
-# wrong gradients (on 4 H100s, zigzag after PyTorch's context parallel had run: dq/dk/dv rel-RMS
-# 46). Any cuDNN attention in the process can build such a plan first: PyTorch's own SDPA (its
-# dout is whatever the model's next op gives), its context parallel (merged outs, chunk views),
-# other libraries. Ours hand out/dout with q's strides and slices of a [B, H, S] LSE, which no
-# other caller need share. torch 2.14 keys the plan on out, dout and the LSE as well.
+# wrong gradients (seen with zigzag after PyTorch's context parallel had run in the process;
+# tests/test_cudnn_plan_cache.py). Any cuDNN attention in the process can build such a plan
+# first: PyTorch's own SDPA (its dout is whatever the model's next op gives), its context
+# parallel (merged outs, chunk views), other libraries. Ours hand out/dout with q's strides and
+# slices of a [B, H, S] LSE, which no other caller need share. torch 2.14 keys the plan on out,
+# dout and the LSE as well.
 #
 # So on torch < 2.14 the keys a backward hands cuDNN carry a stride no other caller's tensors
 # have: a plan cached under our key was built by one of our calls, whose out/dout/LSE strides are
@@ -179,7 +181,7 @@ class Flash(_CudaKernel):
             unused_rng, unused_rng, scale=scale)
 
     # Packed documents: the varlen op, per batch row, on [S, H, D] views of the [B, H, S, D]
-    # tensors (any row and head strides; measured right on an H100 with zero-length q and k
+    # tensors (any row and head strides; checked right on CUDA with zero-length q and k
     # segments, GQA and transposed views). Its causal mask is bottom-right aligned per segment.
     # A row that sees no key gets LSE +inf from the kernel: -inf here (the kernels' convention).
 
@@ -187,8 +189,8 @@ class Flash(_CudaKernel):
         # The varlen backward op copies dout and out to contiguous [S, H, D] on every call
         # (PyTorch's _flash_attention_backward): here once per backward instead, and not at all
         # when they are already (a model's attention output usually is: [B, S, H, D] memory seen
-        # as [B, H, S, D]). Measured on an H100 at 8K tokens, 32/8 heads: 10 copies, 0.73 ms of
-        # a zigzag rank's backward with packed documents.
+        # as [B, H, S, D]). The op's copies were a visible share of a zigzag rank's backward with
+        # packed documents (measured: docs/design.md, "Measurements behind design choices").
         return x.transpose(1, 2).contiguous().transpose(1, 2) if documents else x
 
     def _varlen_forward(self, q, k, v, causal, scale, segments):

@@ -15,9 +15,10 @@ runs it on fp32-upcast blocks: exact mode's fallback where the Triton kernel doe
 * LSE: its forward returns the LSE padded to a multiple of ``_LSE_ALIGN`` rows, and its backward
   reads that layout; the ring's merged LSE is put back into it.
 * Its backward reads ``out`` and ``dout`` as dense [B, S, H, D] tensors, so they are copied
-  into that layout: with 16-bit inputs, an ``out`` in the ring's [B, H, S, D] layout (a transposed
-  view) gave dq and dk 0.2-0.6 rel-RMS off on an H100 (torch 2.11), where its own forward's out,
-  dense in [B, S, H, D], gave the right ones; fp32 was right either way.
+  into that layout: with 16-bit inputs (torch 2.11, CUDA), an ``out`` in the ring's [B, H, S, D]
+  layout (a transposed view) gave wrong dq and dk, where its own forward's out, dense in
+  [B, S, H, D], gave the right ones; fp32 was right either way (docs/design.md, "Measurements
+  behind design choices").
 * Its backward is a custom op (``efficient_backward``), so the compile pass can trace it (see
   there), and runs with ``num_splits_key=1``: with more splits the kernel adds dq across them
   with atomics, and the result would change from run to run.

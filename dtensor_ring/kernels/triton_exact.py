@@ -47,9 +47,10 @@ class Tiles(NamedTuple):
     stages: int = 2
 
 
-# The fastest swept tiles on an H200 for d = 128, bf16, on zigzag's blocks at 16K tokens per GPU
-# (bench/triton_tune.py, docs/results.md): the backward takes 11-17%
-# less time than with the first, untuned tiles (dK/dV 32 x 64, dq 64 x 32, 4 warps, 2 stages).
+# The fastest tiles of bench/triton_tune.py's sweep for d = 128, bf16, on zigzag's blocks, with a
+# backward faster than with the first, untuned tiles (dK/dV 32 x 64, dq 64 x 32, 4 warps, 2
+# stages). Hardware and figures: docs/results.md, "Exact mode's Triton tiles", and docs/design.md,
+# "Measurements behind design choices".
 TUNED = dict(forward=Tiles(128, 128, 8, 3), dkdv=Tiles(64, 128, 8, 3), dq=Tiles(128, 64, 8, 3))
 # Under TRITON_INTERPRET=1 (CPU tests): small tiles, so short blocks still have several of them.
 INTERPRETED = dict(forward=Tiles(16, 16), dkdv=Tiles(16, 16), dq=Tiles(16, 16))

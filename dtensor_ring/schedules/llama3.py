@@ -28,8 +28,8 @@ dtype: no fp32 out of every head, no cast):
 Y's keys are the whole shards of ranks r+1 .. W-1, X's the first halves of ranks 0 .. r-1; X is
 empty on rank 0 and Y on rank W-1. That is 1 + 2 * groups kernel calls in the forward and
 3 * groups in the backward (the own block per group there: see ``Llama3.backward``) where
-per-chunk blocks took 4 * groups (per call the host spends about as long as an 8K-token block
-computes), and no natural order to build.
+per-chunk blocks took 4 * groups (each kernel call costs host time comparable to a block's
+compute at the lengths context parallelism runs), and no natural order to build.
 
 Backward: gather K/V again per group, compute dq (local: the group's block results summed in
 fp32 in one pass, written in q's dtype) and dK/dV for the gathered keys in fp32, and
@@ -348,7 +348,8 @@ class _OwnThenOthers:
             batch_heads = dk_x.shape[0] * dk_x.shape[1]
             for i, grad in enumerate((dk_x, dv_x)):  # [B, Hg, r * C, D]
                 # One cast pass (fp32 ops), the ranks as its batch: [r, B * Hg, C, D] both sides.
-                # (A strided copy_ took 0.44 ms of 8K tokens' backward at 32/32 heads, H100.)
+                # (Not a strided copy_, which was slower: docs/design.md, "Measurements behind
+                # design choices".)
                 by_rank = grad.unflatten(2, (r, half)).permute(2, 0, 1, 3, 4)
                 accumulate_(firsts[:, :, i].permute(0, 2, 3, 1, 4).view(r, batch_heads, half, -1),
                             by_rank.reshape(r, batch_heads, half, -1), add=False)
@@ -457,7 +458,8 @@ class Llama3:
                 receive(i - 1)
             pending_grad = comm.reduce_scatter(dkv_all)
             # The communicator holds it while it needs it. Kept here until the next group's was
-            # built, it raised the peak (H100, 8K tokens, 32/32 heads, exact: 1.44 GiB, not 1.19).
+            # built, it raised the peak memory (measured: docs/design.md, "Measurements behind
+            # design choices").
             del dkv_all
         if rows:
             receive(len(groups) - 1)

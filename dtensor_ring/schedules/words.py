@@ -3,8 +3,9 @@
 A tensor whose last dim (a row of D elements: a head's vector) is contiguous but whose other dims
 are strided (llama3's reorders of gathered K/V, a row slice of an accumulator) is copied or filled
 element by element by PyTorch's strided kernels. Viewed in the widest word that divides a row's
-bytes (16 bytes for D = 128 in bf16: 8x fewer elements), the same copies ran 2-4x faster on an
-H200 than the cat + flip + reshape they replaced in llama3's ``to_natural``.
+bytes (16 bytes for D = 128 in bf16: 8x fewer elements), the same copies ran faster than the
+cat + flip + reshape they replaced in llama3's ``to_natural`` (measured: docs/design.md,
+"Measurements behind design choices").
 """
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -32,9 +33,9 @@ def as_words(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def stacked(tensors, dim: int) -> torch.Tensor:
     """``torch.stack(tensors, dim)`` (same shape and dtype, last dim contiguous; dim not the
     last) as one copy per tensor in words: a message of permuted K/V heads is a strided copy,
-    which ``torch.stack`` moved element by element (0.3 ms of llama3's forward at 8K tokens,
-    32/32 heads on an H100). Traced (the compile pass), ``torch.stack``: inductor writes the
-    copy kernel itself."""
+    which ``torch.stack`` moved element by element (a visible share of llama3's forward:
+    docs/design.md, "Measurements behind design choices"). Traced (the compile pass),
+    ``torch.stack``: inductor writes the copy kernel itself."""
     first = tensors[0]
     if is_fake(first):
         return torch.stack(tensors, dim)
