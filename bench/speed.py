@@ -74,7 +74,7 @@ from dtensor_ring.kernels.base import NONE
 from dtensor_ring.layouts.windows import Band
 from dtensor_ring.numerics import NAMES, errors, fwd_bwd
 from report import describe, versions, write_json
-from speed_plot import plot, print_table
+from speed_plot import fmt_row, plot, print_table
 from timing import local_median_ms
 
 # The real SDPA, taken before anything can patch it: PyTorch's context_parallel replaces
