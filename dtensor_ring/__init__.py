@@ -2,13 +2,13 @@
 from .attention import ring_attention, simulate_ring
 from .checkpointing import save_ring_attention, save_ring_attention_context
 from . import flops  # noqa: F401 - FlopCounterMode formulas for the ring's ops
-from .documents import document_multiple, pad_documents
+from .documents import pad_documents
 from .dtensor import ContextParallel  # installs the DTensor SDPA rule
 from .kernels import BACKENDS
 from .loss import global_mean_loss
 from .layouts import LAYOUTS
 from .schedules import SCHEDULES, get_schedule
-from .sharding import sequence_positions, shard_sequence, unshard_sequence
+from .sharding import document_multiple, sequence_positions, shard_sequence, unshard_sequence
 
 SCHEDULE_LAYOUT = {name: get_schedule(name).layout.name for name in ("auto", *SCHEDULES)}
 
