@@ -68,7 +68,7 @@ def _mixes(world):
 def _docs(layout, cu, world):
     seq = cu[-1]
     return documents(torch.tensor(cu), None, seq, dr.LAYOUTS[layout].document_multiple(world),
-                     layout, torch.device("cpu"), world)
+                     layout, torch.device("cpu"), world_size=world)
 
 
 def _placement(layout, cu, world):
