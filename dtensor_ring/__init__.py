@@ -14,10 +14,11 @@ SCHEDULE_LAYOUT = {name: get_schedule(name).layout.name for name in ("auto", *SC
 
 # The compile pass: torch.compile(model) expands ring attention into explicit, overlapped steps.
 from . import passes  # noqa: E402 - needs the runtime above; installed as dtensor_ring.passes
+from .installation import install, uninstall  # noqa: E402 - the rule's and the pass's switch
 
-passes.install()
+install()
 
 __all__ = ["BACKENDS", "ContextParallel", "LAYOUTS", "SCHEDULES", "SCHEDULE_LAYOUT",
-           "document_multiple", "global_mean_loss", "pad_documents", "ring_attention",
+           "document_multiple", "global_mean_loss", "install", "pad_documents", "ring_attention",
            "save_ring_attention", "save_ring_attention_context", "sequence_positions",
-           "shard_sequence", "simulate_ring", "unshard_sequence"]
+           "shard_sequence", "simulate_ring", "uninstall", "unshard_sequence"]

@@ -43,7 +43,7 @@ LAYERS = [
     ("dtensor", ["dtensor_ring/dtensor/"]),
     ("training", ["dtensor_ring/checkpointing.py", "dtensor_ring/flops.py"]),
     ("passes", ["passes/"]),
-    ("package front", ["dtensor_ring/__init__.py"]),
+    ("package front", ["dtensor_ring/__init__.py", "dtensor_ring/installation.py"]),
     ("models, tools", ["dtensor_ring/models/", "dtensor_ring/__main__.py", "dtensor_ring/demo.py",
                        "dtensor_ring/hf.py", "dtensor_ring/numerics.py",
                        "dtensor_ring/numerics_plot.py", "dtensor_ring/numerics_report.py",
