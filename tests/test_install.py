@@ -1,4 +1,4 @@
-"""``dr.uninstall()`` gives the process back to stock PyTorch; ``dr.install()`` makes our changes again.
+"""``dr.uninstall()`` gives the process back to stock PyTorch; ``dr.install()`` makes ours again.
 
 The changes (``dtensor_ring/installation.py``): ``import dtensor_ring`` puts our handler in
 DTensor's table for the SDPA ops and ``RingExpandPass`` in inductor's ``post_grad_custom_pre_pass``;

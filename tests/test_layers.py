@@ -1,14 +1,14 @@
-"""The package's imports: no cycle, and no layer importing a layer below it (docs/design.md, "Layers").
+"""The package's imports: no cycle, no layer importing a layer below it (docs/design.md, "Layers").
 
-Reads every .py file of dtensor_ring/, passes/ (installed as ``dtensor_ring.passes``) and bench/ with
-``ast``, nothing imported: every ``import`` statement counts, at module level or inside a function
-(a function-local import that only dodges a cycle is still a cycle). bench/'s scripts import each
-other by bare name (bench/ is their sys.path entry).
+Reads every .py file of dtensor_ring/, passes/ (installed as ``dtensor_ring.passes``) and bench/
+with ``ast``, nothing imported: every ``import`` statement counts, at module level or inside a
+function (a function-local import that only dodges a cycle is still a cycle). bench/'s scripts
+import each other by bare name (bench/ is their sys.path entry).
 
 * Cycles: over the imports as written plus the package ``__init__`` each one runs (importing
   ``a.b.c`` from outside ``a.b`` runs ``a/b/__init__.py``).
-* Layers: ``LAYERS`` is docs/design.md's layer table, top to bottom; a module may import its own
-  layer and the ones above it. Every module must be in some layer (the table lists the tree), and
+* Layers: over the imports as written. ``LAYERS`` is docs/design.md's layer table, top to
+  bottom; a module may import its own layer and the ones above it. Every module must be in some layer (the table lists the tree), and
   ``test_design_table_lists_these_layers`` keeps the table and ``LAYERS`` the same.
 
 The checkers take a plain graph, so ``test_checks_catch_*`` plant an upward import and a
