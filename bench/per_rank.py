@@ -92,9 +92,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import BACKENDS, get_kernel  # noqa: E402
-from dtensor_ring.documents import Documents  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE, repeat_kv  # noqa: E402
 from dtensor_ring.layouts import Segments  # noqa: E402
+from dtensor_ring.layouts.boundaries import Documents  # noqa: E402
 from dtensor_ring.layouts.placement import placement_of, plan_row  # noqa: E402
 from dtensor_ring.layouts.windows import Band, Window, effective_window  # noqa: E402
 from dtensor_ring.replay import ReplayComm  # noqa: E402

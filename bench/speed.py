@@ -74,6 +74,7 @@ from dtensor_ring.kernels.base import NONE
 from dtensor_ring.layouts.windows import Band
 from dtensor_ring.numerics import NAMES, errors, fwd_bwd
 from report import describe, versions, write_json
+from speed_plot import fmt_row, plot, print_table
 from timing import local_median_ms
 
 # The real SDPA, taken before anything can patch it: PyTorch's context_parallel replaces
@@ -607,43 +608,6 @@ def sweep(args, mesh, device, info, mesh_2d=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Printing
-
-
-def _f(x, spec):
-    return format(x, spec) if x is not None else "-"
-
-
-def fmt_row(r):
-    acc = r.get("acc_ratio")
-    acc = "/".join(f"{acc[n]:.2f}" for n in NAMES) if acc else "-"
-    head = (f"{r['tokens_per_gpu']:>6} {r['kv_heads']:>3} {'c' if r['causal'] else 'nc':>2} "
-            f"{r['method']:20}")
-    if r.get("error"):
-        return f"{head} ERROR {r['error']}"
-    return (f"{head} {_f(r.get('fwd_ms'), '9.3f')} {_f(r.get('frac_fwd'), '6.3f')} "
-            f"{_f(r.get('fwd_bwd_ms'), '10.3f')} {_f(r.get('frac_fwd_bwd'), '6.3f')} "
-            f"{_f(r.get('mem_gib'), '7.2f')} {_f(r.get('sent_mib'), '8.1f')}  {acc}")
-
-
-HEADER = (f"{'tok/GPU':>6} {'kv':>3} {'':>2} {'method':20} {'fwd ms':>9} {'frac':>6} "
-          f"{'fwd+bwd ms':>10} {'frac':>6} {'mem GiB':>7} {'sent MiB':>8}  "
-          "acc ratio out/dq/dk/dv")
-
-
-def print_table(info, rows):
-    print(f"W={info['world_size']} heads={info['heads']} d={info['head_dim']} bf16 "
-          f"{info.get('gpu', info['device'])} torch {info['torch']} cudnn {info.get('cudnn')} "
-          f"triton {info.get('triton')}")
-    print("frac = single-GPU cuDNN time over the whole sequence / W (with --window: windowed "
-          "flash), divided by the row's time; mem = peak the call adds on its inputs (ideal rows: "
-          "one GPU, whole sequence); sent = bytes a rank sent per fwd+bwd (max over ranks)")
-    print(HEADER)
-    for r in rows:
-        print(fmt_row(r))
-
-
-# ---------------------------------------------------------------------------------------------
 # Profile
 
 
@@ -831,7 +795,6 @@ def main(argv=None):
             write_json(args.out, info, rows)
         if args.plot:
             try:
-                from speed_plot import plot  # noqa: PLC0415
                 print("plot:", args.plot if plot({"meta": info, "rows": rows}, args.plot)
                       else "matplotlib missing: python bench/speed_plot.py JSON --out PNG")
             except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture

@@ -5,10 +5,12 @@
 The PNG (also written by ``bench/speed.py --plot``): fraction of the single-GPU cuDNN ideal vs
 tokens per GPU, one line per method, forward and forward+backward panels, one row of panels per
 kv-heads setting (causal configs; a non-causal config shows as hollow markers). matplotlib is
-optional: ``plot`` returns False without it."""
+optional: ``plot`` returns False without it. ``bench/speed.py`` prints and draws with this
+module's ``print_table`` and ``plot``."""
 import argparse
 import json
 
+from dtensor_ring.numerics import NAMES
 from report import style_fraction_axes
 
 _COLORS = {"ring": "C0", "zigzag": "C1", "stripe": "C2", "llama3": "C3",
@@ -66,13 +68,44 @@ def plot(data, path) -> bool:
     return True
 
 
+def _f(x, spec):
+    return format(x, spec) if x is not None else "-"
+
+
+def fmt_row(r):
+    acc = r.get("acc_ratio")
+    acc = "/".join(f"{acc[n]:.2f}" for n in NAMES) if acc else "-"
+    head = (f"{r['tokens_per_gpu']:>6} {r['kv_heads']:>3} {'c' if r['causal'] else 'nc':>2} "
+            f"{r['method']:20}")
+    if r.get("error"):
+        return f"{head} ERROR {r['error']}"
+    return (f"{head} {_f(r.get('fwd_ms'), '9.3f')} {_f(r.get('frac_fwd'), '6.3f')} "
+            f"{_f(r.get('fwd_bwd_ms'), '10.3f')} {_f(r.get('frac_fwd_bwd'), '6.3f')} "
+            f"{_f(r.get('mem_gib'), '7.2f')} {_f(r.get('sent_mib'), '8.1f')}  {acc}")
+
+
+HEADER = (f"{'tok/GPU':>6} {'kv':>3} {'':>2} {'method':20} {'fwd ms':>9} {'frac':>6} "
+          f"{'fwd+bwd ms':>10} {'frac':>6} {'mem GiB':>7} {'sent MiB':>8}  "
+          "acc ratio out/dq/dk/dv")
+
+
+def print_table(info, rows):
+    print(f"W={info['world_size']} heads={info['heads']} d={info['head_dim']} bf16 "
+          f"{info.get('gpu', info['device'])} torch {info['torch']} cudnn {info.get('cudnn')} "
+          f"triton {info.get('triton')}")
+    print("frac = single-GPU cuDNN time over the whole sequence / W (with --window: windowed "
+          "flash), divided by the row's time; mem = peak the call adds on its inputs (ideal rows: "
+          "one GPU, whole sequence); sent = bytes a rank sent per fwd+bwd (max over ranks)")
+    print(HEADER)
+    for r in rows:
+        print(fmt_row(r))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("json", help="bench/speed.py's --out JSON")
     parser.add_argument("--out", help="PNG to write (default: only print the table)")
     args = parser.parse_args(argv)
-    from speed import print_table  # noqa: PLC0415 - speed imports this module for plot()
-
     with open(args.json) as f:
         data = json.load(f)
     print_table(data["meta"], data["rows"])

@@ -20,65 +20,25 @@ back: the values are trusted (their dtype, shape and device are still checked).
 so that the short ones stay whole, each on one rank (``layouts/placement.py``); with ``multiple`` it
 pads each document to the layout's multiple where it is.
 """
-import math
 from typing import NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
+from .layouts import LAYOUTS
+from .layouts.boundaries import Documents, is_traced
+from .layouts.placement import cut_documents_host, cut_length, plan_row
 from .validation import check_int, check_tensor, normalize_dim
 
 IGNORE_INDEX = -100  # the label of padding tokens (PyTorch's cross_entropy ignore_index)
 
 
-class Documents:
-    """One call's documents: ``cu`` (int32, [N + 1], on the compute device) and ``max_len`` (an
-    upper bound on the longest document, host int). Layouts keep the device tensors they derive
-    in ``cached`` (built once, reused by every ring step and by the backward).
-
-    ``Documents.of(cu, max_len)`` reuses one object per boundaries tensor: ``ContextParallel``
-    passes the same tensor to every attention layer of a forward, so the per-step segments are
-    derived once per batch, not once per layer (a dozen small kernels and their host time
-    each). Not while a CUDA graph is captured or traced: a captured graph must derive them from
-    the boundaries the tensor holds at each replay."""
-
-    def __init__(self, cu: torch.Tensor, max_len: int, host: list[int] | None = None):
-        self.cu, self.max_len = cu, max_len
-        self.host = host  # the boundaries as ints, where they were read without a device sync
-        self._cache: dict = {}
-
-    @classmethod
-    def of(cls, cu: torch.Tensor, max_len: int, host: list[int] | None = None) -> "Documents":
-        if (_is_traced(cu) or (cu.is_cuda and torch.cuda.is_current_stream_capturing())
-                or not isinstance(max_len, int)):
-            return cls(cu, max_len, host)
-        key = (max_len, cu._version)
-        held = getattr(cu, "_dtensor_ring_documents", None)
-        if held is None or held[0] != key:
-            if host is None and held is not None and held[0][1] == cu._version:
-                host = held[1].host  # the same values, another bound (ContextParallel's bucket)
-            held = (key, cls(cu, max_len, host))
-            cu._dtensor_ring_documents = held
-        return held[1]
-
-    def cached(self, key, make):
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
-
-
 def _host_values(cu_seqlens) -> list[int] | None:
     """The boundaries as Python ints when that costs no device sync, else None."""
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.device.type == "cpu" and not _is_traced(cu_seqlens):
+        if cu_seqlens.device.type == "cpu" and not is_traced(cu_seqlens):
             return [int(x) for x in cu_seqlens.tolist()]
         return None
     return [int(x) for x in cu_seqlens]
-
-
-def _is_traced(x: torch.Tensor) -> bool:
-    """Values unknown (Dynamo or a fake tensor); Dynamo must not reach ``is_fake``."""
-    return torch.compiler.is_compiling() or is_fake(x)
 
 
 def check_boundaries(values: list[int], seq_len: int, multiple: int, layout: str,
@@ -114,9 +74,6 @@ def check_boundaries(values: list[int], seq_len: int, multiple: int, layout: str
 
 def _cut(values: list[int], layout: str, world_size: int | None) -> list[bool] | None:
     """Which documents ``layout`` cuts on ``world_size`` ranks (None: every one)."""
-    from .layouts import LAYOUTS  # noqa: PLC0415 - the layouts import this module
-    from .layouts.placement import cut_documents_host  # noqa: PLC0415
-
     if world_size is None or not getattr(LAYOUTS.get(layout), "places_documents", False):
         return None
     return cut_documents_host(values, world_size, values[-1] // world_size)
@@ -124,8 +81,6 @@ def _cut(values: list[int], layout: str, world_size: int | None) -> list[bool] |
 
 def _cut_rule(seq_len: int, world_size: int) -> str:
     """Why documents are cut (``layouts/placement.py``), for the error above."""
-    from .layouts.placement import cut_length  # noqa: PLC0415
-
     return (f" (here every document up to the last one of at least "
             f"{cut_length(world_size, seq_len // world_size)} tokens is cut, and all of them "
             f"unless the ones after it fill the {world_size} ranks in row order, each the same "
@@ -167,7 +122,7 @@ def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
     if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt):
         check_int(max_seqlen, "max_seqlen", 1, "a positive int (the longest document's length)")
     values = _host_values(cu_seqlens)
-    if values is None and max_seqlen is None and not _is_traced(cu_seqlens):
+    if values is None and max_seqlen is None and not is_traced(cu_seqlens):
         values = [int(x) for x in cu_seqlens.tolist()]  # one device sync: see the module docstring
     if values is not None:
         check_boundaries(values, seq_len, multiple, layout, arg, world_size=world_size)
@@ -190,29 +145,6 @@ def within_document(positions: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     cu = cu.to(positions.device, torch.int64)
     doc = torch.searchsorted(cu, positions, right=True) - 1
     return positions - cu[doc]
-
-
-def document_multiple(schedule: str, world_size: int) -> int:
-    """A multiple for every packed document's length (``pad_documents``' ``multiple``) that makes
-    a row ``schedule`` takes on ``world_size`` ranks: 2W (zigzag, llama3, auto), W (stripe, ring).
-    The layout's own rule is the first factor; the row must also split into W equal parts, which
-    ``ring`` (any document lengths) needs of the row alone: documents padded to W give that.
-
-    Args:
-        schedule (str): ``"auto"`` or a key of ``dr.SCHEDULES`` (``"ring"``, ``"zigzag"``,
-            ``"stripe"``, ``"llama3"``).
-        world_size (int): the ranks of the ring, >= 1.
-
-    Returns:
-        int: the multiple (2 * world_size or world_size).
-
-    Raises:
-        ValueError: an unknown ``schedule``; ``world_size`` not a positive int.
-    """
-    from .schedules import get_schedule  # noqa: PLC0415 - schedules import the layouts
-
-    check_int(world_size, "world_size", 1, "a positive int")
-    return math.lcm(get_schedule(schedule).layout.document_multiple(world_size), world_size)
 
 
 class PaddedDocuments(NamedTuple):
@@ -284,8 +216,6 @@ def pad_documents(input_ids: torch.Tensor, cu_seqlens, *, world_size: int | None
             ``cu_seqlens`` not boundaries of ``input_ids.shape[dim]``; ``labels`` of another
             shape.
     """
-    from .layouts.placement import plan_row  # noqa: PLC0415 - the layouts import this module
-
     check_tensor(input_ids, "input_ids")
     if (world_size is None) == (multiple is None):
         raise ValueError(f"pass one of world_size (the ranks that will hold the row) and "

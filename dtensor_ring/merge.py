@@ -28,6 +28,8 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from .merge_slots import MAX_BLOCKS, MAX_PARTS
+
 
 class TorchFp32:
     """The torch ops: any device, and traced code."""
@@ -113,9 +115,6 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     _ops(out).merge_(out, lse, block_out, block_lse)
 
 
-MAX_BLOCKS = 3  # blocks ``merge_many_`` takes: with the first result, four in one pass
-
-
 def merge_many_(target: torch.Tensor, target_lse: torch.Tensor, first: torch.Tensor,
                 first_lse: torch.Tensor, blocks: list) -> None:
     """``target`` = (``first``, ``first_lse``) merged with each of ``blocks``, in order, in one
@@ -133,9 +132,6 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, add: bool) -> None:
     """``acc += x`` (``add``) or ``acc[...] = x``: ``acc`` fp32 [B, H, S, D] (views are fine),
     ``x`` of the same shape in any float dtype."""
     _ops(acc).accumulate_(acc, x, add)
-
-
-MAX_PARTS = 4  # parts ``sum_many_`` takes
 
 
 def sum_many_(target: torch.Tensor, parts: list) -> None:

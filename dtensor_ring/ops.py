@@ -23,8 +23,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm import ProcessGroupComm
 from .consistency import check as check_consistency
-from .documents import Documents
 from .kernels import get_kernel
+from .layouts.boundaries import Documents
 from .layouts.windows import from_args
 from .schedules import get_schedule
 

@@ -2,6 +2,8 @@
 ``sequence_positions``; with ``cu_seqlens``, in the layout's per-document form (``documents.py``).
 On a 2-D mesh (ring ranks, all-to-all ranks) the layout is the hybrid one (``hybrid/layout.py``):
 the named layout over the ring ranks, each shard cut contiguously over the all-to-all ranks."""
+import math
+
 import torch
 import torch.distributed._functional_collectives as funcol
 
@@ -9,7 +11,8 @@ from .documents import documents, within_document
 from .hybrid.layout import placed_layout
 from .layouts import Layout, get_layout
 from .mesh import check_device, resolve_mesh
-from .validation import check_tensor, normalize_dim
+from .schedules import get_schedule
+from .validation import check_int, check_tensor, normalize_dim
 
 
 def rank_major_positions(layout: Layout, seq_len: int, world_size: int,
@@ -165,3 +168,24 @@ def sequence_positions(seq_len: int, mesh, layout: str = "zigzag", device=None, 
     if docs is not None:
         positions = within_document(positions, docs.cu)
     return positions.to(device)
+
+
+def document_multiple(schedule: str, world_size: int) -> int:
+    """A multiple for every packed document's length (``pad_documents``' ``multiple``) that makes
+    a row ``schedule`` takes on ``world_size`` ranks: 2W (zigzag, llama3, auto), W (stripe, ring).
+    The layout's own rule is the first factor; the row must also split into W equal parts, which
+    ``ring`` (any document lengths) needs of the row alone: documents padded to W give that.
+
+    Args:
+        schedule (str): ``"auto"`` or a key of ``dr.SCHEDULES`` (``"ring"``, ``"zigzag"``,
+            ``"stripe"``, ``"llama3"``).
+        world_size (int): the ranks of the ring, >= 1.
+
+    Returns:
+        int: the multiple (2 * world_size or world_size).
+
+    Raises:
+        ValueError: an unknown ``schedule``; ``world_size`` not a positive int.
+    """
+    check_int(world_size, "world_size", 1, "a positive int")
+    return math.lcm(get_schedule(schedule).layout.document_multiple(world_size), world_size)

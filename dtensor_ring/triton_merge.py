@@ -36,7 +36,7 @@ Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use that)
 import triton
 import triton.language as tl
 
-from .merge import MAX_BLOCKS, MAX_PARTS  # the slots of _merge_many and _sum_many
+from .merge_slots import MAX_BLOCKS, MAX_PARTS  # the slots of _merge_many and _sum_many
 
 BLOCK_M = 32
 

@@ -36,11 +36,36 @@ def _has_ring_expand(graph_pass) -> bool:
     return isinstance(graph_pass, ComposedPass) and any(map(_has_ring_expand, graph_pass.passes))
 
 
-def install() -> None:
-    """Idempotent: put ``RingExpandPass`` in front of whatever pre pass is set."""
+def install() -> bool:
+    """Idempotent: put ``RingExpandPass`` in front of whatever pre pass is set. Returns whether the
+    slot changed."""
     current = inductor_config.post_grad_custom_pre_pass
     if _has_ring_expand(current):
-        return
+        return False
     ours = RingExpandPass()
     inductor_config.post_grad_custom_pre_pass = ours if current is None else ComposedPass(ours,
                                                                                         current)
+    return True
+
+
+def _without_ring_expand(graph_pass):
+    """``graph_pass`` with every ``RingExpandPass`` taken out (None if nothing is left); the same
+    object where it holds none, so that ``install``'s ``ComposedPass(ours, previous)`` gives back
+    ``previous`` itself."""
+    if isinstance(graph_pass, RingExpandPass):
+        return None
+    if not _has_ring_expand(graph_pass):
+        return graph_pass
+    rest = [p for p in map(_without_ring_expand, graph_pass.passes) if p is not None]
+    return None if not rest else rest[0] if len(rest) == 1 else ComposedPass(*rest)
+
+
+def uninstall() -> bool:
+    """Take ``RingExpandPass`` out of the slot: what ``install`` put there gives back what the slot
+    held before it (a ``ComposedPass`` a user set around ours gives back their pass). Returns
+    whether the slot changed."""
+    current = inductor_config.post_grad_custom_pre_pass
+    if not _has_ring_expand(current):
+        return False
+    inductor_config.post_grad_custom_pre_pass = _without_ring_expand(current)
+    return True

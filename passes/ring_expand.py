@@ -61,7 +61,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.distributed.distributed_c10d import _world
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import dtensor_ring
+from dtensor_ring import ops as runtime_ops
 from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
 from dtensor_ring.hybrid.comm import traced_comms
@@ -191,7 +191,7 @@ def source_key(roots=None) -> str:
     """A hash of every Python file under ``roots`` (default: the runtime package and these
     passes): what the expansion traces, so a change to any of it is a new cache key."""
     if roots is None:
-        roots = (Path(dtensor_ring.__file__).parent, Path(__file__).parent)
+        roots = (Path(runtime_ops.__file__).parent, Path(__file__).parent)
     digest = hashlib.sha256()
     for root in roots:
         for path in sorted(Path(root).rglob("*.py")):

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import dtensor_ring as dr
-from dtensor_ring.documents import Documents
 from dtensor_ring.kernels import get_kernel
+from dtensor_ring.layouts.boundaries import Documents
 from dtensor_ring.replay import ReplayComm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -16,11 +16,12 @@ import torch
 import dtensor_ring as dr
 from dist_utils import run_on_ranks
 from dtensor_ring.comm import TRAFFIC
-from dtensor_ring.documents import Documents, documents, within_document
+from dtensor_ring.documents import documents, within_document
 from dtensor_ring.kernels import get_kernel
 from dtensor_ring.schedules.llama3 import _NaturalOrder
 from dtensor_ring.simulated import SimWorld
 from dtensor_ring.layouts import placement
+from dtensor_ring.layouts.boundaries import Documents
 from dtensor_ring.layouts.placement import placement_of, plan_row
 from dtensor_ring.numerics import (NAMES, attention_and_grads, check_ratios, document_sdpa,
                                    make_inputs, ratios, rel_rms)
@@ -67,7 +68,7 @@ def _mixes(world):
 def _docs(layout, cu, world):
     seq = cu[-1]
     return documents(torch.tensor(cu), None, seq, dr.LAYOUTS[layout].document_multiple(world),
-                     layout, torch.device("cpu"), world)
+                     layout, torch.device("cpu"), world_size=world)
 
 
 def _placement(layout, cu, world):

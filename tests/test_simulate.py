@@ -11,7 +11,7 @@ import dtensor_ring as dr
 from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.kernels.base import CAUSAL, NONE
 from dtensor_ring.kernels.cpu_flash import CpuFlash
-from dtensor_ring.layouts.base import Block
+from dtensor_ring.layouts import Block
 from dtensor_ring.layouts.stripe import Stripe
 from dtensor_ring.schedules.ring import RingSchedule
 from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs, ratios, rel_rms, sdpa

@@ -350,7 +350,8 @@ def test_window_with_short_documents_placed_whole(schedule):
     ids = torch.arange(sum(lengths))
     cu_in = torch.tensor([0, *itertools.accumulate(lengths)])
     cu = dr.pad_documents(ids, cu_in, world_size=world).cu_seqlens.tolist()
-    docs = dr.documents.Documents.of(torch.tensor(cu), max(b - a for a, b in zip(cu, cu[1:])), cu)
+    docs = dr.layouts.boundaries.Documents.of(torch.tensor(cu),
+                                              max(b - a for a, b in zip(cu, cu[1:])), cu)
     placement = placement_of(docs, world, cu[-1] // world)
     assert 0 < placement.cut.count(True) < len(cu) - 1, "some documents whole, some cut"
     q, k, v, dout = make_inputs(1, 4, 2, cu[-1], 16, seed=7)

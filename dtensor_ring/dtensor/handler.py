@@ -205,11 +205,37 @@ def sdpa_handler(op, args, kwargs):
     return _backward(plan, spec, a) if spec.backward else _forward(plan, spec, a)
 
 
-def install() -> None:
-    """Register ``sdpa_handler`` for the SDPA ops (idempotent; other handlers are left alone)."""
-    handlers = _handlers()
-    for op in SDPA_OPS:
-        handlers[op] = sdpa_handler
+# The handler each SDPA op had before ``install`` put ours there (None: none), while ours is.
+_PREVIOUS: dict = {}
+
+
+def install() -> bool:
+    """Register ``sdpa_handler`` for the SDPA ops, keeping the handler each had for ``uninstall``
+    (idempotent; other ops' handlers are left alone). Returns whether any op changed."""
+    with _STEP_ASIDE:
+        handlers, changed = _handlers(), False
+        for op in SDPA_OPS:
+            if handlers.get(op) is not sdpa_handler:
+                _PREVIOUS[op] = handlers.get(op)
+                handlers[op] = sdpa_handler
+                changed = True
+        return changed
+
+
+def uninstall() -> bool:
+    """Give each SDPA op back the handler it had before ``install`` (none: DTensor's own sharding
+    rule); an op whose handler is no longer ours is left alone. Returns whether any op changed."""
+    with _STEP_ASIDE:
+        handlers, changed = _handlers(), False
+        for op in SDPA_OPS:
+            previous = _PREVIOUS.pop(op, None)
+            if handlers.get(op) is sdpa_handler:
+                if previous is None:
+                    del handlers[op]
+                else:
+                    handlers[op] = previous
+                changed = True
+        return changed
 
 
 def installed() -> bool:

@@ -170,8 +170,43 @@ def _allow_routing_in_compiled_checkpoint() -> None:
     flag, compiling a checkpointed region of a ``ContextParallel`` module fails with Dynamo's
     "HOP: Unsafe side effect" error instead of running its attention locally.
     """
-    if hasattr(dynamo_config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-        dynamo_config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    _CHECKPOINT_FLAG_STATE["applied"] = True
+    set_checkpoint_flag()
+
+
+_CHECKPOINT_FLAG = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+# applied: a ContextParallel was applied in this process (its modules may need the flag);
+# before: the flag's value before we set it, while it is set by us.
+_CHECKPOINT_FLAG_STATE: dict = {"applied": False}
+
+
+def set_checkpoint_flag() -> bool:
+    """Set Dynamo's flag (``_allow_routing_in_compiled_checkpoint``), keeping the value it had for
+    ``restore_checkpoint_flag``. Returns whether the flag changed (False on a torch without it)."""
+    if not hasattr(dynamo_config, _CHECKPOINT_FLAG):
+        return False
+    was = getattr(dynamo_config, _CHECKPOINT_FLAG)
+    _CHECKPOINT_FLAG_STATE.setdefault("before", was)
+    setattr(dynamo_config, _CHECKPOINT_FLAG, True)
+    return was is not True
+
+
+def restore_checkpoint_flag() -> bool:
+    """Give Dynamo's flag back the value it had before ``set_checkpoint_flag``, unless it has been
+    set to something else since. Returns whether the flag changed."""
+    if "before" not in _CHECKPOINT_FLAG_STATE:
+        return False
+    before = _CHECKPOINT_FLAG_STATE.pop("before")
+    if getattr(dynamo_config, _CHECKPOINT_FLAG) is not True or before is True:
+        return False
+    setattr(dynamo_config, _CHECKPOINT_FLAG, before)
+    return True
+
+
+def checkpoint_flag_needed() -> bool:
+    """Whether a ``ContextParallel`` has been applied in this process (so ``install`` sets the flag
+    again)."""
+    return _CHECKPOINT_FLAG_STATE["applied"]
 
 
 def _routing_active() -> bool:

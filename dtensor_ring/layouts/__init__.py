@@ -4,7 +4,8 @@ A layout maps rank ``r`` of ``W`` to the global positions of its ``S_local`` tok
 exchange, says which (q rows, k rows, mask) blocks rank ``r`` computes when it holds the K/V of rank
 ``src``. Each layout's file draws its block grid once.
 """
-from .base import Block, Layout, Segments
+from .base import Layout
+from .blocks import Block, Segments
 from .contiguous import CONTIGUOUS
 from .stripe import STRIPE
 from .zigzag import ZIGZAG

@@ -19,7 +19,8 @@ rank's rows is skipped: no kernel call.
 """
 import torch
 
-from .base import Block, Layout, Segments, whole
+from .base import Layout, whole
+from .blocks import Block, Segments
 from .windows import Run
 
 

@@ -54,6 +54,9 @@ Both forms give the same results.
 """
 import torch
 
+from .blocks import Block, Segments
+from .boundaries import Documents
+
 TILE_ROWS = 128  # the varlen kernels' q tile (flash varlen, cuDNN and the Triton kernels: 128)
 BALANCE = 0.03  # the largest deviation of a rank's causal work from the mean that the rule takes
 # The padding ``plan_row`` adds to give a short document room before it cuts the document instead
@@ -105,13 +108,11 @@ def cut_documents_host(values: list[int], world: int, local_len: int) -> list[bo
 
 
 class Placement:
-    """The placement of one call's documents (``documents.Documents``) on ``world`` ranks of
+    """The placement of one call's documents (``boundaries.Documents``) on ``world`` ranks of
     ``local_len`` rows: what the layouts and schedules need, derived once per batch
     (``placement_of``). Tensors on the documents' device."""
 
     def __init__(self, docs, world: int, local_len: int):
-        from ..documents import Documents  # noqa: PLC0415 - documents imports the layouts lazily
-
         self.world, self.local_len, self.docs = world, local_len, docs
         self.known = docs.host is not None
         device = docs.cu.device
@@ -166,8 +167,6 @@ class Placement:
         """Rank ``rank``'s local rows as positions in the long stream (its first L rows; the
         others follow the long stream, at positions [W L, W S_local), so that the ranks' rows
         together are a permutation of [0, W S_local))."""
-        from ..documents import Documents  # noqa: PLC0415
-
         tail = torch.full((1,), self.world * self.local_len, dtype=torch.long,
                           device=self.long_cu.device)
         extended = self.docs.cached(("placement_stream", self.world, self.local_len), lambda: (
@@ -212,8 +211,6 @@ class Placement:
                                  is_causal), lambda: self._own_blocks(layout, rank, is_causal))
 
     def _own_blocks(self, layout, rank, is_causal):
-        from .base import Block, Segments  # noqa: PLC0415
-
         mask = "causal" if is_causal else "none"
         every = slice(0, self.local_len)
         if not self.known:
@@ -238,8 +235,6 @@ class Placement:
                                  is_causal), lambda: self._short_block(rank, is_causal))
 
     def _short_block(self, rank, is_causal):
-        from .base import Block, Segments  # noqa: PLC0415
-
         mask = "causal" if is_causal else "none"
         if self.known:
             if not self.short_rows:
@@ -297,8 +292,6 @@ def with_inert_rows(block, rows: int, long_rows: int):
     """The long part's own block (rows and keys [0, L)) widened to every local row: rows
     [L, S_local) in segments with no keys (out 0, LSE -inf), each no longer than the block's
     bound, so that the forward's first block covers every row."""
-    from .base import Block  # noqa: PLC0415
-
     seg = block.segments
     count = -(-(rows - long_rows) // max(1, seg.max_q))
     cu_q, cu_k = inert(seg.cu_q, seg.cu_k, rows, long_rows, count, 0)
@@ -309,8 +302,6 @@ def with_inert_tail(block, rows: int, keys: int):
     """A traced block over ``rows`` q rows and ``keys`` keys whose segments end before (at the
     long part's end, known only as a tensor): the q rows past it in segments with no keys, then
     the keys past it in segments with no rows, each no longer than the block's bounds."""
-    from .base import Block  # noqa: PLC0415
-
     seg = block.segments
     cu_q, cu_k = inert(seg.cu_q, seg.cu_k, rows, keys, -(-rows // max(1, seg.max_q)),
                        -(-keys // max(1, seg.max_k)))

@@ -32,7 +32,8 @@ block per document, as three segments, so that the q rows and key rows stay pack
 """
 import torch
 
-from .base import Block, Layout, Segments, doc_index, local_bounds, pairs, whole
+from .base import Layout, doc_index, local_bounds, pairs, whole
+from .blocks import Block, Segments
 from .windows import Run
 
 

@@ -36,7 +36,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .base import Block
+from .blocks import Block
 
 # The masks of kernels/base.py (layouts do not import the kernels, which import this module).
 NONE, CAUSAL, CAUSAL_BOTTOM_RIGHT = "none", "causal", "causal_bottom_right"

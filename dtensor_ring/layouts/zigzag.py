@@ -35,7 +35,8 @@ with empty segments where a part takes no part, so that q rows and key rows stay
 """
 import torch
 
-from .base import Block, Layout, Segments, doc_index, local_bounds, pairs, whole
+from .base import Layout, doc_index, local_bounds, pairs, whole
+from .blocks import Block, Segments
 from .windows import Run
 
 

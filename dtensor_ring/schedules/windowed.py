@@ -39,8 +39,8 @@ import torch
 
 from ..comm import Communicator
 from ..layouts import LAYOUTS, Block, Layout
+from ..layouts.boundaries import Documents
 from ..layouts.windows import Window, band_block, split_rows, visible_pairs, with_positions
-from ..documents import Documents
 from .base import (ForwardMerge, HeldSums, RowSums, attend_, backward_operands, block_backward,
                    fp32_empty, forward_block)
 
