@@ -16,6 +16,14 @@ def _shape_of(val):
     return "x".join(map(str, val.shape))
 
 
+def _arg(node, name, default=None):
+    """Argument ``name`` of an op's call, by its schema."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+    return default
+
+
 def _kind(node):
     name = str(node.target)
     if "_exchange" in name:
@@ -49,8 +57,8 @@ def render(graph: torch.fx.Graph, groups: dict | None = None) -> str:
             lines.append(f"wait({', '.join(_shape_of(v) for v in node.meta['val'])})")
         else:
             shapes = ", ".join(_shape(a) for a in node.args if isinstance(a, torch.fx.Node))
-            causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
-            mask = node.kwargs.get("attn_mask")
+            causal = _arg(node, "is_causal", False)  # the backward's is its 8th argument
+            mask = _arg(node, "attn_mask")
             tag = "causal" if causal is True else "mask" if mask is not None else "full"
             lines.append(f"{op}({shapes}, {tag})")
     if folded:
