@@ -33,7 +33,6 @@ from graph_render import check_exchanges, count_table, counts, render
 
 Q = torch.randn(1, 4, 16, 8)
 KV = torch.randn(1, 2, 16, 8)
-LSE = torch.randn(1, 4, 16)
 CU = torch.tensor([0, 16, 24, 64], dtype=torch.int32)  # documents of 16, 8 and 40 tokens
 NO_WINDOW = (-1, -1)
 
@@ -95,7 +94,9 @@ def _drop_wait(wait):
     wait.graph.erase_node(wait)
 
 
-class FakeWorld(expecttest.TestCase):  # a world per class: the cache key test sees no mesh's
+class FakeWorld(expecttest.TestCase):
+    """A fake world of 4 ranks, as rank 1, per class (the cache key test must not see the
+    hybrid mesh's groups)."""
 
     @classmethod
     def setUpClass(cls):
@@ -253,6 +254,7 @@ hybrid causal fwd          all_to_all@a2a 10, send_recv_next@ring 2 2112       7
 hybrid causal bwd          all_to_all@a2a 18, send_recv_next@ring 4 4160      13      2    2    2   1280 450""")
 
     def test_the_checks_fail_on_an_altered_graph(self):
+        """zigzag's forward, altered as a broken pass would alter it."""
         def fresh():
             return expanded.__wrapped__("zigzag", True, False)[0]
 
