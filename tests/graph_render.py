@@ -1,58 +1,143 @@
-"""A compact, stable rendering of a ring-expanded FX graph for expect tests.
+"""Reading a ring-expanded FX graph in tests (tests/test_ring_expand.py).
 
-One line per exchange posted (its kind and the shapes sent), wait (the shapes received) and
-attention kernel, in graph order, with tensor shapes; the elementwise and view ops between them (merges, slicing, casts) fold into one "(N ops)" line, so the
-expectation pins what matters -- which exchange is posted before which block -- and not node names.
+* ``check_exchanges``: what every expansion must hold -- on each process group the posts chained
+  in graph order (each takes the previous one's handle: inductor cannot reorder them), every post
+  waited on exactly once, and its wait holding the tensors sent (their last use: no buffer reuse
+  while in flight).
+* ``render``: the whole graph, one line per exchange posted (its kind, the shapes sent), wait (the
+  shapes received) and attention kernel (query and key shapes, its mask), in graph order; each
+  line ends with the number of other ops (merges, slicing, casts) that follow it. Pins which
+  exchange is posted before which block, not node names.
+* ``counts``: the same graph in numbers: exchanges by kind (send_recv: +offset; @group where
+  named), the elements they send, how many have an attention kernel between post and wait
+  (overlapped), kernels by mask, the attention scores they compute (query rows x keys, summed),
+  all ops; ``count_table``: one row of them per graph.
 """
+import collections
+
 import torch
+
+import dtensor_ring  # noqa: F401 - registers the ops
+
+POST = torch.ops.dtensor_ring.post_exchange.default
+WAIT = torch.ops.dtensor_ring.wait_exchange.default
+
+
+def _arg(node, name, default=None):
+    """Argument ``name`` of an op's call, by its schema."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+    return default
 
 
 def _shape(node):
-    val = node.meta.get("val") if hasattr(node, "meta") else None
-    return _shape_of(val) if isinstance(val, torch.Tensor) else "?"
+    val = node.meta.get("val")
+    return "x".join(map(str, val.shape)) if isinstance(val, torch.Tensor) else "?"
 
 
-def _shape_of(val):
-    return "x".join(map(str, val.shape))
-
-
-def _kind(node):
+def is_kernel(node) -> bool:
     name = str(node.target)
-    if "_exchange" in name:
-        return "wait" if "wait_" in name else "comm"
-    if "scaled_dot_product" in name or "flash" in name or "attention" in name:
-        return "attn"
-    return None
+    return (node.op == "call_function" and "dtensor_ring" not in name
+            and ("scaled_dot_product" in name or "flash" in name or "attention" in name))
+
+
+def _mask(kernel) -> str:
+    if _arg(kernel, "is_causal", False) is True:
+        return "causal"
+    return "mask" if _arg(kernel, "attn_mask") is not None else "full"
+
+
+def _group(post, groups) -> str:
+    name = _arg(post, "group_name")
+    return f"@{groups[name]}" if groups and name in groups else ""
+
+
+def _label(post, groups) -> str:
+    """``kind``, then ``+offset`` (send_recv: to rank + offset), then ``@group`` if named."""
+    offset = _arg(post, "offset", 0)
+    return f"{post.args[2]}{f'{offset:+d}' if offset else ''}{_group(post, groups)}"
+
+
+def check_exchanges(graph: torch.fx.Graph) -> list:
+    """Raise AssertionError where an exchange breaks the rules above; return (post, wait) pairs
+    in the order posted."""
+    last, pairs = {}, []  # group name -> its last post so far
+    for node in graph.nodes:
+        if node.target is WAIT:
+            assert node.args[0].target is POST, f"{node} waits on {node.args[0]}, not a post"
+        if node.target is not POST:
+            continue
+        group = _arg(node, "group_name")
+        assert node.args[1] is last.get(group), (
+            f"{node} is not chained after {last.get(group)}, the last post on group {group}")
+        last[group] = node
+        waits = [u for u in node.users if u.target is WAIT]
+        assert len(waits) == 1, f"{node} is waited on {len(waits)} times"
+        others = [u for u in node.users
+                  if u.target is not WAIT and not (u.target is POST and u.args[1] is node)]
+        assert not others, f"{node}'s handle used by {others}"
+        (wait,) = waits
+        assert wait.args[2] == node.args[2], f"{wait} waits a {wait.args[2]}, not {node.args[2]}"
+        assert list(wait.args[1]) == list(node.args[0]), f"{wait} holds not what {node} sent"
+        pairs.append((node, wait))
+    return pairs
 
 
 def render(graph: torch.fx.Graph, groups: dict | None = None) -> str:
-    """``groups``: process-group name -> label, shown after each collective on that group."""
-    lines, folded = [], 0
+    """``groups``: process-group name -> label, shown after each exchange on that group."""
+    check_exchanges(graph)
+    lines = [["", 0]]  # [event, ops that follow it]; the first: the ops before any event
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        kind = _kind(node)
-        if kind is None:
-            folded += 1
-            continue
-        if folded:
-            lines.append(f"  ({folded} ops)")
-            folded = 0
-        op = node.target.__name__.split(".")[0]
-        if kind == "comm":  # post_exchange(tensors, after, kind, group): the kind, shapes sent
-            sent = ", ".join(_shape(a) for a in node.args[0])
-            offset = node.args[4] if len(node.args) > 4 else node.kwargs.get("offset", 0)
-            where = f" @{groups[node.args[3]]}" if groups and node.args[3] in groups else ""
-            # send_recv (sliding windows): to rank + offset, from rank - offset
-            lines.append(f"{node.args[2]}({sent}{f', offset {offset}' if offset else ''}){where}")
-        elif kind == "wait":  # wait_exchange(...) -> the tensors received
-            lines.append(f"wait({', '.join(_shape_of(v) for v in node.meta['val'])})")
+        if node.target is POST:
+            sent = ", ".join(_shape(t) for t in node.args[0])
+            offset = _arg(node, "offset", 0)
+            sent += f", offset {offset}" if offset else ""
+            lines.append([f"{node.args[2]}({sent}) {_group(node, groups)}".strip(), 0])
+        elif node.target is WAIT:
+            received = ", ".join("x".join(map(str, v.shape)) for v in node.meta["val"])
+            lines.append([f"wait({received})", 0])
+        elif is_kernel(node):
+            q, k, v = (_arg(node, name) for name in ("query", "key", "value"))
+            assert _shape(v) == _shape(k), f"{node}: value {_shape(v)}, key {_shape(k)}"
+            op = "attn_bwd" if "backward" in str(node.target) else "attn"
+            lines.append([f"{op}(q {_shape(q)}, k {_shape(k)}, {_mask(node)})", 0])
         else:
-            shapes = ", ".join(_shape(a) for a in node.args if isinstance(a, torch.fx.Node))
-            causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
-            mask = node.kwargs.get("attn_mask")
-            tag = "causal" if causal is True else "mask" if mask is not None else "full"
-            lines.append(f"{op}({shapes}, {tag})")
-    if folded:
-        lines.append(f"  ({folded} ops)")
-    return "\n".join(lines)
+            lines[-1][1] += 1
+    return "\n".join(f"{event:<42} +{ops} ops".strip() if ops else event
+                     for event, ops in lines if event or ops)
+
+
+def counts(graph: torch.fx.Graph, groups: dict | None = None) -> dict:
+    """The graph in numbers (see the module docstring), after ``check_exchanges``."""
+    pairs = check_exchanges(graph)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    order = {n: i for i, n in enumerate(nodes)}
+    kernels = [n for n in nodes if is_kernel(n)]
+    return {
+        "exchanges": dict(sorted(collections.Counter(_label(p, groups) for p, _ in pairs).items())),
+        "sent": sum(t.meta["val"].numel() for post, _ in pairs for t in post.args[0]),
+        "overlapped": sum(any(order[post] < order[k] < order[wait] for k in kernels)
+                          for post, wait in pairs),
+        "kernels": {mask: sum(_mask(k) == mask for k in kernels)
+                    for mask in ("causal", "full", "mask")},
+        "scores": sum(_arg(k, "query").meta["val"].shape[:-1].numel()
+                      * _arg(k, "key").meta["val"].shape[-2] for k in kernels),
+        "ops": len(nodes),
+    }
+
+
+def count_table(graphs: dict) -> str:
+    """``graphs``: a name -> (graph, groups); one row of ``counts`` each."""
+    rows = [("", "exchanges", "sent", "overlap", "causal", "full", "mask", "scores", "ops")]
+    for name, (graph, groups) in graphs.items():
+        c = counts(graph, groups)
+        exchanges = ", ".join(f"{kind} {n}" for kind, n in c["exchanges"].items())
+        rows.append((name, exchanges, c["sent"], c["overlapped"], *c["kernels"].values(),
+                     c["scores"], c["ops"]))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(" ".join(f"{cell:<{w}}" if i < 2 else f"{cell:>{w}}"
+                              for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+                     for row in rows)
