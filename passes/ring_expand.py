@@ -12,7 +12,7 @@ Before (forward, zigzag, W = 4, rank 0):
     ring_attention_fwd = dtensor_ring.ring_attention_fwd(q, k, v, '0', 'zigzag', True, 0.25, ...)
     out = ring_attention_fwd[0];  lse = ring_attention_fwd[1]
 
-After (abridged; ``tests/test_ring_expand.py`` pins the full sequence):
+After (abridged; ``tests/test_ring_expand.py`` pins rank 1's full sequence):
 
     kv_1 = dtensor_ring.post_exchange([k, v], None, 'send_recv_next', '0')    # K/V for step 1
     attn = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)  # step 0 block
@@ -26,13 +26,13 @@ A call with a sliding window (two ints of the node: a constant, so layers with t
 share a graph) expands into the windowed exchange (``schedules/windowed.py``): per offset within
 reach one ``send_recv`` post/wait pair (the K/V rows within reach straight to and from the ranks
 at that offset); offsets no query reaches have no exchange at all (``tests/test_ring_expand.py``
-pins which).
+counts them).
 
 On a 2-D mesh the node is ``dtensor_ring::hybrid_attention_fwd`` / ``_bwd`` (no window) and both
 levels expand: the all-to-all over heads as ``all_to_all`` post/wait pairs on the inner group,
 then the outer schedule's steps as above on the outer group, per head piece
 (``dtensor_ring/hybrid/schedule.py``; ``tests/test_ring_expand.py`` pins a 2 x 2 forward and
-backward).
+counts the backward's exchanges).
 
 The rank and world size come from the process group named in the node, so the result is specific to
 this process; ``RingExpandPass.uuid`` includes the global rank so the FX graph cache never hands one
