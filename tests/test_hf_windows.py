@@ -1,7 +1,7 @@
-"""``dtensor_ring.hf`` with sliding windows on 4 gloo ranks, eager and compiled, step by step
+"""``dtensor_ring.hf`` with sliding windows on 2 gloo ranks, eager and compiled, step by step
 against the model on one process: a tiny ``MistralForCausalLM`` (window 16 on 256 tokens, every
 layer) and a Gemma-style ``Gemma3ForCausalLM`` (sliding and full-attention layers alternating,
-``config.layer_types``), both well below their windows' reach of a rank's 64 tokens.
+``config.layer_types``), both well below their windows' reach of a rank's 128 tokens.
 
 Each step, every rank runs the context-parallel model on the whole batch; rank-averaged loss and
 gradients (``sync_gradients``) must be within fp32 rel-RMS 1e-5 of the same weights on one process
@@ -103,14 +103,14 @@ def _steps(mesh, failures, label, make, schedule, compiled):
 def _ranks(mesh):
     failures = []
     label = f"rank {mesh.get_local_rank()}/{mesh.size()}"
-    for make, schedule, compiled in ((mistral, "zigzag", False), (gemma, "auto", False),
-                                     (mistral, "ring", True), (gemma, "zigzag", True)):
+    for make, schedule, compiled in ((mistral, "zigzag", False), (mistral, "ring", False),
+                                     (gemma, "auto", False), (gemma, "zigzag", True)):
         _steps(mesh, failures, f"{label} {make.__name__}", make, schedule, compiled)
     assert not failures, "\n".join(failures)
 
 
 def test_hf_sliding_windows_match_one_process_step_by_step():
-    run_on_ranks(4, _ranks)
+    run_on_ranks(2, _ranks)
 
 
 @pytest.mark.parametrize("kwargs, fragments", [
