@@ -315,29 +315,36 @@ def test_schedules_at_64_simulated_ranks(schedule):
         assert worst <= 2.0, f"{schedule} W=64 causal={is_causal} {window}: {worst:.3f}"
 
 
+def _check_windows_in_documents(schedule, world, cu, inputs, long_window, label, max_seqlen=None):
+    """Three windows over packed documents ``cu`` on ``world`` simulated ranks, each against
+    float64: a short causal one (fp32), a long causal one (``long_window`` tokens, bf16 exact)
+    and a two-sided one without causality (fp32)."""
+    for is_causal, window, dtype, precision in [(True, (5, 0), torch.float32, "fp32"),
+                                                (True, (long_window, 0), torch.bfloat16, "exact"),
+                                                (False, (6, 2), torch.float32, "fp32")]:
+        sdpa = windowed_sdpa(is_causal, window, cu)
+        reference = attention_and_grads(sdpa, *inputs, torch.float64)
+        single = attention_and_grads(sdpa, *inputs, dtype)
+        got = attention_and_grads(
+            lambda a, b, c: dr.simulate_ring(
+                a, b, c, world_size=world, schedule=schedule, is_causal=is_causal,
+                window=window, precision=precision, cu_seqlens=torch.tensor(cu),
+                max_seqlen=max_seqlen), *inputs, dtype)
+        _check(ratios(got, single, reference), schedule, dtype,
+               f"{schedule} {label} causal={is_causal} window={window}")
+
+
 @pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
 @pytest.mark.parametrize("host", [True, False], ids=["boundaries on the host", "not read"])
 def test_window_applies_within_each_document(monkeypatch, schedule, host):
     """Packed documents of 32, 16 and 80 tokens (W = 4), a window shorter than a document and
     one longer than a rank's share; with the boundaries known on the host (pairs out of reach
     skipped) and not (as from a GPU tensor with max_seqlen: every pair exchanged)."""
-    world, cu = 4, [0, 32, 48, 128]
     if not host:
         monkeypatch.setattr(dr.documents, "_host_values", lambda cu_seqlens: None)
-    q, k, v, dout = make_inputs(2, 4, 2, 128, 16, seed=5)
-    for is_causal, window, dtype, precision in [(True, (5, 0), torch.float32, "fp32"),
-                                                (True, (40, 0), torch.bfloat16, "exact"),
-                                                (False, (6, 2), torch.float32, "fp32")]:
-        sdpa = windowed_sdpa(is_causal, window, cu)
-        reference = attention_and_grads(sdpa, q, k, v, dout, torch.float64)
-        single = attention_and_grads(sdpa, q, k, v, dout, dtype)
-        got = attention_and_grads(
-            lambda a, b, c: dr.simulate_ring(
-                a, b, c, world_size=world, schedule=schedule, is_causal=is_causal,
-                window=window, precision=precision, cu_seqlens=torch.tensor(cu),
-                max_seqlen=None if host else 80), q, k, v, dout, dtype)
-        _check(ratios(got, single, reference), schedule, dtype,
-               f"{schedule} documents causal={is_causal} window={window}")
+    _check_windows_in_documents(schedule, 4, [0, 32, 48, 128],
+                                make_inputs(2, 4, 2, 128, 16, seed=5), 40, "documents",
+                                max_seqlen=None if host else 80)
 
 
 @pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
@@ -354,20 +361,8 @@ def test_window_with_short_documents_placed_whole(schedule):
                                               max(b - a for a, b in zip(cu, cu[1:])), cu)
     placement = placement_of(docs, world, cu[-1] // world)
     assert 0 < placement.cut.count(True) < len(cu) - 1, "some documents whole, some cut"
-    q, k, v, dout = make_inputs(1, 4, 2, cu[-1], 16, seed=7)
-    for is_causal, window, dtype, precision in [(True, (5, 0), torch.float32, "fp32"),
-                                                (True, (90, 0), torch.bfloat16, "exact"),
-                                                (False, (6, 2), torch.float32, "fp32")]:
-        sdpa = windowed_sdpa(is_causal, window, cu)
-        reference = attention_and_grads(sdpa, q, k, v, dout, torch.float64)
-        single = attention_and_grads(sdpa, q, k, v, dout, dtype)
-        got = attention_and_grads(
-            lambda a, b, c: dr.simulate_ring(
-                a, b, c, world_size=world, schedule=schedule, is_causal=is_causal,
-                window=window, precision=precision, cu_seqlens=torch.tensor(cu)),
-            q, k, v, dout, dtype)
-        _check(ratios(got, single, reference), schedule, dtype,
-               f"{schedule} placed documents causal={is_causal} window={window}")
+    _check_windows_in_documents(schedule, world, cu, make_inputs(1, 4, 2, cu[-1], 16, seed=7),
+                                90, "placed documents")
 
 
 @pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
