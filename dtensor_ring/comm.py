@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .peer_copy import peer_copy_ring
+
 
 class Pending(Protocol):
     def wait(self): ...
@@ -115,8 +117,14 @@ class ProcessGroupComm:
         if self.world_size == 1:
             return _Done(list(tensors))
         _count("send_recv_next", tensors)
-        tensors = [t.contiguous() for t in tensors]  # P2P needs dense buffers (a model's k/v
-        received = [torch.empty_like(t) for t in tensors]  # may be transposed views)
+        # Dense buffers (a model's k/v may be transposed views), for NCCL and the copy engines.
+        tensors = [t.contiguous() for t in tensors]
+        ring = peer_copy_ring(self.group) if self._nccl else None
+        if ring is not None:  # one host: the copy engines (peer_copy.py)
+            posted = ring.send_recv_next(tensors)
+            torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
+            return posted
+        received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
         works = dist.batch_isend_irecv(ops)  # one NCCL group: one kernel

@@ -30,7 +30,7 @@ LAYERS = [
     ("merge", ["dtensor_ring/merge.py", "dtensor_ring/merge_slots.py",
                "dtensor_ring/triton_merge.py"]),
     ("kernels", ["dtensor_ring/kernels/"]),
-    ("communication", ["dtensor_ring/comm.py", "dtensor_ring/traced_comm.py",
+    ("communication", ["dtensor_ring/comm.py", "dtensor_ring/peer_copy.py", "dtensor_ring/traced_comm.py",
                        "dtensor_ring/mesh.py", "dtensor_ring/hybrid/comm.py",
                        "dtensor_ring/simulated.py", "dtensor_ring/replay.py"]),
     ("schedules", ["dtensor_ring/schedules/"]),

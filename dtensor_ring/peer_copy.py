@@ -1,0 +1,141 @@
+"""The ring shift on the GPUs' copy engines: each rank writes its K/V (or dK/dV) straight into the
+next rank's memory with ``cudaMemcpyAsync`` through PyTorch's symmetric memory, instead of running
+NCCL's send/recv kernels.
+
+Why: NCCL's send/recv are kernels; they take SMs from the attention kernel they overlap and move
+a hop at a fraction of NVLink's rate, so with many heads the transfer outlasts the step it should
+hide behind. A copy engine moves the bytes without any SM (docs/design.md, "The ring shift on the
+copy engines", gives the measurements).
+
+One call, on a side stream of high priority, after everything the compute stream has queued:
+
+    barrier         every rank is here: the arena, emptied by the last call, is free everywhere
+    copy  ->  next  this rank's tensors into rank+1's arena (copy engine, over NVLink)
+    barrier         every rank's copy has landed
+    copy  <-  arena the arena into fresh tensors, which are the result (copy engine, local)
+    event           ``wait()`` makes the compute stream wait for it
+
+The result is copied out of the arena so that it is an ordinary tensor, owned by its caller
+(inductor may reuse a custom op's output buffer for anything once it is dead; a peer writing into
+it later would corrupt that), and so that one arena per process group serves every call in turn:
+calls run one after another on the side stream, and each has emptied the arena before the next
+one's first barrier. The arena is the largest message sent so far (kept for the process's life,
+like NCCL's own buffers; it grows, collectively, when a larger message comes).
+
+Used where every rank of the group can reach the next one's memory: NCCL groups of CUDA ranks on
+one host with peer access, agreed by all ranks the first time a group shifts (a collective, so
+that first shift must not be inside a CUDA graph capture). ``DTENSOR_RING_PEER_COPY=0`` keeps
+NCCL's send/recv. Elsewhere (gloo, several hosts) ``ProcessGroupComm`` uses NCCL or gloo as before.
+"""
+import os
+import socket
+import warnings
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ENV = "DTENSOR_RING_PEER_COPY"
+_ALIGN = 256  # bytes: each tensor's place in the arena starts on such a boundary
+
+_RINGS: dict = {}  # process group name -> PeerCopyRing, or None where peer copies are not used
+
+
+def peer_copy_ring(group) -> Optional["PeerCopyRing"]:
+    """The group's ``PeerCopyRing``, or None where its ranks shift through NCCL or gloo. The first
+    call for a group is collective (every rank of the group must make it)."""
+    name = group.group_name
+    if name not in _RINGS:
+        _RINGS[name] = PeerCopyRing(group) if _agreed(group) else None
+    return _RINGS[name]
+
+
+def _agreed(group) -> bool:
+    """Whether every rank can write into the next rank's memory: CUDA, NCCL, one host, peer
+    access both ways round the ring, symmetric memory importable, not switched off."""
+    if dist.get_backend(group) != "nccl" or dist.get_world_size(group) == 1:
+        return False
+    device = torch.device("cuda", torch.cuda.current_device())
+    host = zlib.crc32(socket.gethostname().encode())
+    mine = torch.tensor([host, device.index], dtype=torch.int64, device=device)
+    everyone = mine.new_empty(dist.get_world_size(group), 2)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rows = everyone.tolist()
+    hosts, devices = {host for host, _ in rows}, [index for _, index in rows]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ok = (os.environ.get(ENV, "1") != "0" and len(hosts) == 1 and _symmetric_memory()
+          is not None and all(torch.cuda.can_device_access_peer(device.index, devices[peer])
+                              for peer in ((rank + 1) % world, (rank - 1) % world)
+                              if devices[peer] != device.index))
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _symmetric_memory():
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return None
+    return symm_mem
+
+
+class _Landed:
+    def __init__(self, event, received):
+        self.event, self.received = event, received
+
+    def wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
+        return self.received
+
+
+class PeerCopyRing:
+    """Ring shifts of one process group through a symmetric arena (see the module docstring)."""
+
+    def __init__(self, group):
+        self.group_name = group.group_name
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.stream = torch.cuda.Stream(priority=-1)
+        self.arena, self.handle = None, None
+
+    def _reserve(self, nbytes: int, device) -> None:
+        """An arena of at least ``nbytes`` (collective: every rank asks for the same size)."""
+        if self.arena is not None and self.arena.numel() >= nbytes:
+            return
+        symm_mem = _symmetric_memory()
+        with warnings.catch_warnings():  # not needed, and deprecated, from torch 2.12
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.stream.synchronize()  # the old arena is idle before it is let go
+        self.arena = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.arena, self.group_name)
+
+    def _places(self, rank, tensors, offsets):
+        return [self.handle.get_buffer(rank, list(t.shape), t.dtype, offset // t.element_size())
+                for t, offset in zip(tensors, offsets)]
+
+    def send_recv_next(self, tensors: list[torch.Tensor]) -> _Landed:
+        """``Communicator.send_recv_next``: ``tensors`` (contiguous, on this rank's GPU) to rank+1;
+        ``wait()`` gives those of rank-1, fresh tensors of the same shapes."""
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        self._reserve(total, tensors[0].device)
+        received = [torch.empty_like(t) for t in tensors]
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.handle.barrier(channel=0)
+            nxt = (self.rank + 1) % self.world_size
+            for place, t in zip(self._places(nxt, tensors, offsets), tensors):
+                place.copy_(t)
+            self.handle.barrier(channel=1)
+            for r, place in zip(received, self._places(self.rank, tensors, offsets)):
+                r.copy_(place)
+            landed = torch.cuda.Event()
+            landed.record(self.stream)
+        for t in tensors + received:  # the caching allocator keeps them until the copies ran
+            t.record_stream(self.stream)
+        return _Landed(landed, received)
