@@ -6,7 +6,8 @@ K/V and dK/dV to the next rank) in fp32 and exact, eagerly and zigzag compiled, 
 the copy engines (the default) and once through NCCL's send/recv (``DTENSOR_RING_PEER_COPY=0``,
 on a second process group): both must match float64 within the usual tolerance of the single-GPU
 kernel's error, and the forward's output must be the same bits either way. A second, longer
-sequence grows the arena. The check is shown to fail on a wrong answer: the result unsharded in the wrong layout.
+sequence grows the arena. The check is shown to fail on a wrong answer: the result unsharded in
+the wrong layout.
 """
 import os
 import socket
