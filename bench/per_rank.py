@@ -73,7 +73,6 @@ config (~1 s, most of it the profiler's own), ~1 min of Triton compiles and cuDN
 import argparse
 import datetime
 import gc
-import itertools
 import json
 import os
 import platform
@@ -95,11 +94,12 @@ from dtensor_ring.kernels import BACKENDS, get_kernel  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE, repeat_kv  # noqa: E402
 from dtensor_ring.layouts import Segments  # noqa: E402
 from dtensor_ring.layouts.boundaries import Documents  # noqa: E402
-from dtensor_ring.layouts.placement import placement_of, plan_row  # noqa: E402
+from dtensor_ring.layouts.placement import placement_of  # noqa: E402
 from dtensor_ring.layouts.windows import Band, Window, effective_window  # noqa: E402
 from dtensor_ring.replay import ReplayComm  # noqa: E402
 from graph_capture import failure, graph_measure, recover  # noqa: E402
 from kernel_kinds import breakdown  # noqa: E402
+from mixes import document_mix, placed_mix  # noqa: E402
 from report import describe, versions, write_json  # noqa: E402
 from timing import run_times, steady_times  # noqa: E402
 
@@ -312,32 +312,6 @@ class Config:
             label.update(documents=len(lengths), longest_document=max(lengths),
                          cu_seqlens=list(self.documents))
         return label
-
-
-def document_mix(seq: int, world: int, seed: int) -> tuple:
-    """A long-tailed mix of packed documents over a row of ``seq`` tokens: many short, a few
-    long (lengths log-uniform between 32W and seq / 2, multiples of 32W; the last one fills)."""
-    gen = torch.Generator().manual_seed(seed)
-    unit, bounds = 32 * world, [0]
-    while bounds[-1] < seq:
-        length = unit * round(2 ** (torch.rand((), generator=gen).item()
-                                    * torch.log2(torch.tensor(seq / 2 / unit)).item()))
-        bounds.append(min(seq, bounds[-1] + max(unit, length)))
-    return tuple(bounds)
-
-
-def placed_mix(seq: int, world: int, seed: int) -> tuple:
-    """``document_mix`` over 63/64 of a row of ``seq`` tokens (less if that does not fit),
-    ordered and padded to ``seq`` tokens as ``dr.pad_documents(..., world_size=world,
-    length=seq)`` does: the documents to cut first, each rank's short ones whole after them."""
-    for slack in (64, 32, 16, 8):
-        mix = document_mix(seq - seq // slack, world, seed)
-        try:
-            row = plan_row([b - a for a, b in zip(mix, mix[1:])], world, length=seq)
-        except ValueError:
-            continue
-        return tuple(itertools.accumulate((p for _, p in row), initial=0))
-    raise ValueError(f"no placement of the documents in {seq} tokens on {world} ranks")
 
 
 def configs(args):

@@ -45,6 +45,14 @@ window sizes; cuDNN through PyTorch and PyTorch's context_parallel take no windo
 so). Each of our rows also gets ``sent_mib``: the bytes this rank's exchanges sent in one forward
 and backward (``dtensor_ring.comm.TRAFFIC``; the max over ranks), to hold against the full ring's.
 
+--documents: packed documents. Each config's row holds bench/per_rank.py's long-tailed mix
+(``mixes.placed_mix``: many short documents, a few long ones, over 63/64 of the row) ordered and
+padded as ``dr.pad_documents(..., world_size=W)`` places it (short documents whole on one rank,
+long ones cut), attention within each document, for the reference and every method. The ideal is
+one GPU's flash varlen kernel over the whole row / W (cuDNN through PyTorch and PyTorch's
+context_parallel take no documents: their rows say so); ``sent_mib`` shows what the placement
+leaves off the wire, against the same call without documents.
+
 --nccl-high-priority: NCCL's streams at high priority (a user setting passed to
 init_process_group), to see whether the exchanges then start before the compute they overlap.
 
@@ -70,9 +78,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
 from dtensor_ring.comm import TRAFFIC
-from dtensor_ring.kernels.base import NONE
+from dtensor_ring.kernels.base import CAUSAL, NONE
 from dtensor_ring.layouts.windows import Band
+from dtensor_ring.layouts import Segments
 from dtensor_ring.numerics import NAMES, errors, fwd_bwd
+from mixes import placed_mix
 from report import describe, versions, write_json
 from speed_plot import fmt_row, plot, print_table
 from timing import local_median_ms
@@ -119,6 +129,8 @@ def parse_args(argv=None):
     p.add_argument("--mesh", type=mesh_shape, metavar="OxI",
                    help="also run every schedule on a 2-D mesh of O ring x I all-to-all ranks "
                         "(rows <O>x<I>_<schedule>_<precision>; O * I = the number of GPUs)")
+    p.add_argument("--documents", action="store_true",
+                   help="packed documents (bench/mixes.py's mix, placed as dr.pad_documents does)")
     p.add_argument("--fp32-backend", default="auto", help="block kernel of the fp32 rows")
     p.add_argument("--triton-tiles", metavar="JSON",
                    help="exact rows with the tiles bench/triton_tune.py chose (its --out JSON)")
@@ -162,10 +174,15 @@ def make_inputs(cfg, device, seed, need64):
             for sh in shapes], None
 
 
-def reference(q, k, v, dout, causal, scale, window=None, max_bytes=8 << 30):
+def reference(q, k, v, dout, causal, scale, window=None, max_bytes=8 << 30, cu_seqlens=None):
     """out, dq, dk, dv of the whole attention in the inputs' dtype (float64), a few q heads at a
     time so the S x S matrices stay under ``max_bytes``; GQA through the kv head of each q head.
-    ``window``: Hugging Face's sliding_window (--window)."""
+    ``window``: Hugging Face's sliding_window (--window). ``cu_seqlens``: packed documents'
+    boundaries (--documents), each document attended alone."""
+    if cu_seqlens is not None:
+        parts = [reference(*(x[:, :, a:b] for x in (q, k, v, dout)), causal, scale, window,
+                           max_bytes) for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+        return [torch.cat(xs, dim=2) for xs in zip(*parts)]
     b, hq, s, _ = q.shape
     groups = hq // k.shape[1]
     out, dq = torch.empty_like(q), torch.empty_like(q)
@@ -209,6 +226,10 @@ class Ctx:
         self.causal, self.gqa = cfg["causal"], cfg["heads"] != cfg["kv_heads"]
         size = args.window
         self.window = None if size is None else (size - 1, 0 if self.causal else size - 1)
+        bounds = cfg.get("cu_seqlens")
+        self.cu_seqlens = (None if bounds is None else
+                           torch.tensor(bounds, dtype=torch.int32, device=inputs[0].device))
+        self.max_seqlen = None if bounds is None else max(b - a for a, b in zip(bounds, bounds[1:]))
         self._shards = {}
 
     def shards(self, layout, mesh=None):
@@ -216,7 +237,9 @@ class Ctx:
         mesh = mesh or self.mesh
         key = (layout, tuple(mesh.shape))
         if key not in self._shards:
-            self._shards[key] = [dr.shard_sequence(x, mesh, layout=layout) for x in self.inputs]
+            self._shards[key] = [dr.shard_sequence(x, mesh, layout=layout,
+                                                   cu_seqlens=self.cu_seqlens)
+                                 for x in self.inputs]
         return self._shards[key]
 
 
@@ -230,8 +253,8 @@ class Ideal:
         q, k, v, dout = ctx.inputs
 
         def single(a, b, c):
-            if ctx.window is not None:
-                return _windowed_kernel(self.backend, a, b, c, ctx)
+            if ctx.window is not None or ctx.cu_seqlens is not None:
+                return _block_kernel(self.backend, a, b, c, ctx)
             with sdpa_kernel(self.backend) if self.backend is not None else _nullcontext():
                 return SDPA(a, b, c, is_causal=ctx.causal, enable_gqa=ctx.gqa)
 
@@ -245,32 +268,41 @@ class Ideal:
         yield forward, forward_backward, forward_backward  # the whole sequence already
 
 
-_WINDOW_KERNELS = {SDPBackend.FLASH_ATTENTION: "flash", None: "cpu_flash"}
+# The block kernels that take a window or packed documents (cuDNN through PyTorch takes neither).
+_BLOCK_KERNELS = {SDPBackend.FLASH_ATTENTION: "flash", None: "cpu_flash"}
 
 
-def _windowed_kernel(backend, q, k, v, ctx):
-    """--window's ideal: the block kernel with the window as one band over the whole sequence
-    (SDPA has no window argument), with autograd."""
-    if backend not in _WINDOW_KERNELS:
-        raise ValueError(f"{backend}: no sliding window through PyTorch (--window)")
-    kernel = dr.BACKENDS[_WINDOW_KERNELS[backend]]
-    band = Band(-ctx.window[0], 0 if ctx.causal else ctx.window[1])
-    return _KernelAttention.apply(q, k, v, kernel, band, q.shape[-1] ** -0.5)
+def _block_kernel(backend, q, k, v, ctx):
+    """--window's and --documents' ideal, which SDPA cannot give: the block kernel over the whole
+    sequence, with the window as one band or the documents as its varlen segments, with
+    autograd."""
+    if backend not in _BLOCK_KERNELS:
+        what = "sliding window (--window)" if ctx.window is not None else "documents (--documents)"
+        raise ValueError(f"{backend}: no {what} through PyTorch")
+    kernel = dr.BACKENDS[_BLOCK_KERNELS[backend]]
+    mask, band, segments = NONE, None, None
+    if ctx.window is not None:
+        band = Band(-ctx.window[0], 0 if ctx.causal else ctx.window[1])
+    if ctx.cu_seqlens is not None:
+        mask = CAUSAL if ctx.causal else NONE
+        segments = Segments(ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_seqlen, ctx.max_seqlen)
+    return _KernelAttention.apply(q, k, v, kernel, mask, band, segments, q.shape[-1] ** -0.5)
 
 
 class _KernelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(autograd_ctx, q, k, v, kernel, band, scale):
-        out, lse = kernel.forward(q, k, v, NONE, scale, window=band)
+    def forward(autograd_ctx, q, k, v, kernel, mask, band, segments, scale):
+        out, lse = kernel.forward(q, k, v, mask, scale, segments, band)
         autograd_ctx.save_for_backward(q, k, v, out, lse)
-        autograd_ctx.kernel, autograd_ctx.band, autograd_ctx.scale = kernel, band, scale
+        autograd_ctx.call = kernel, mask, band, segments, scale
         return out
 
     @staticmethod
     def backward(autograd_ctx, dout):
         q, k, v, out, lse = autograd_ctx.saved_tensors
-        return (*autograd_ctx.kernel.backward(dout, q, k, v, out, lse, NONE, autograd_ctx.scale,
-                                              window=autograd_ctx.band), None, None, None)
+        kernel, mask, band, segments, scale = autograd_ctx.call
+        return (*kernel.backward(dout, q, k, v, out, lse, mask, scale, segments, band),
+                None, None, None, None, None)
 
 
 class Ours:
@@ -296,7 +328,8 @@ class Ours:
         def ring(a, b, c):
             return dr.ring_attention(a, b, c, mesh=mesh, schedule=self.schedule,
                                      is_causal=ctx.causal, precision=self.precision,
-                                     backend=backend, window=ctx.window)
+                                     backend=backend, window=ctx.window,
+                                     cu_seqlens=ctx.cu_seqlens, max_seqlen=ctx.max_seqlen)
 
         def forward_of(fn):
             def forward():
@@ -310,7 +343,8 @@ class Ours:
             forward, forward_backward = (_captured(call) for call in (forward, forward_backward))
 
         def whole():
-            return [dr.unshard_sequence(x.contiguous(), mesh, layout=layout)
+            return [dr.unshard_sequence(x.contiguous(), mesh, layout=layout,
+                                        cu_seqlens=ctx.cu_seqlens)
                     for x in forward_backward()]
 
         yield forward, forward_backward, whole
@@ -349,6 +383,8 @@ class TorchCP:
     def run(self, ctx):
         if ctx.window is not None:
             raise ValueError("PyTorch's context_parallel takes no sliding window (--window)")
+        if ctx.cu_seqlens is not None:
+            raise ValueError("PyTorch's context_parallel takes no packed documents (--documents)")
         from torch.distributed.tensor.experimental import context_parallel
         try:
             from torch.distributed.tensor.experimental._attention import (_cp_options,
@@ -543,7 +579,7 @@ def meta(args, world):
             "batch": args.batch, "dtype": "bfloat16", "iters": args.iters,
             "warmup": args.warmup, "fp32_backend": args.fp32_backend,
             "torch_cp_kernel": args.torch_cp_kernel, "accuracy_max_seq": args.accuracy_max_seq,
-            "window": args.window,
+            "window": args.window, "documents": args.documents,
             "nccl_high_priority": args.nccl_high_priority}
     info.update(versions(args.device))
     return info
@@ -566,8 +602,12 @@ def sweep(args, mesh, device, info, mesh_2d=None):
     methods = selected(all_methods(device, mesh_2d), args.methods)
     for cfg in configs(args):
         cfg = dict(cfg, seq=cfg["tokens_per_gpu"] * world)
+        if args.documents:
+            cfg["cu_seqlens"] = list(placed_mix(cfg["seq"], world, args.seed))
         chosen = selected(methods, cfg.pop("methods", ""))
         label = {k: cfg[k] for k in ("tokens_per_gpu", "seq", "kv_heads", "causal")}
+        if args.documents:
+            label.update(documents=len(cfg["cu_seqlens"]) - 1, cu_seqlens=cfg["cu_seqlens"])
         if runner.over_budget():
             for method in chosen:
                 rows.append({**label, "method": method.name, "kind": method.kind,
@@ -577,7 +617,8 @@ def sweep(args, mesh, device, info, mesh_2d=None):
         inputs, inputs64 = make_inputs(cfg, device, args.seed, accuracy)
         ref = None
         if accuracy:
-            ref = reference(*inputs64, cfg["causal"], 1.0 / cfg["head_dim"] ** 0.5, args.window)
+            ref = reference(*inputs64, cfg["causal"], 1.0 / cfg["head_dim"] ** 0.5, args.window,
+                            cu_seqlens=cfg.get("cu_seqlens"))
             del inputs64
         ctx = Ctx(args, cfg, mesh, inputs)
         single_err, ideal = None, None

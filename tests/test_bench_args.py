@@ -15,7 +15,7 @@ import speed  # noqa: E402
 import triton_tune  # noqa: E402
 
 # imported by the benchmarks, not run
-HELPERS = {"timing", "report", "kernel_kinds", "graph_capture", "per_rank_plot"}
+HELPERS = {"timing", "report", "kernel_kinds", "graph_capture", "per_rank_plot", "mixes"}
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in HELPERS))
