@@ -72,7 +72,7 @@ import dtensor_ring as dr
 from dtensor_ring.comm import TRAFFIC
 from dtensor_ring.kernels.base import NONE
 from dtensor_ring.layouts.windows import Band
-from dtensor_ring.numerics import NAMES, errors, fwd_bwd
+from dtensor_ring.tools.numerics import NAMES, errors, fwd_bwd
 from report import describe, versions, write_json
 from speed_plot import fmt_row, plot, print_table
 from timing import local_median_ms

@@ -21,6 +21,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import ops
+from .comm.mesh import check_device, resolve_mesh
+from .comm.simulated import simulated_mesh
 from .consistency import check as check_consistency
 from .documents import documents
 from .hybrid import ops as hybrid_ops
@@ -29,10 +31,8 @@ from .hybrid.heads import head_split
 from .hybrid.schedule import placed_schedule
 from .kernels import kernel_named, resolve_backend
 from .layouts.windows import check_window, effective_window, window_args
-from .mesh import check_device, resolve_mesh
 from .schedules import get_schedule
 from .sharding import from_rank_major
-from .simulated import simulated_mesh
 from .validation import check_int, check_options, check_qkv
 
 
@@ -194,7 +194,7 @@ def _use_op(x: torch.Tensor) -> bool:
 
 class _Ring(torch.autograd.Function):
     """Eager ``ring_attention`` (see the module docstring): the schedule on the mesh's process
-    groups (a ``mesh.SequenceMesh``)."""
+    groups (a ``comm/mesh.SequenceMesh``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mesh, schedule, options):

@@ -3,7 +3,7 @@
 ``ring_attention`` (and the DTensor rule) put one node per attention into the graph,
 ``dtensor_ring::ring_attention_fwd`` or ``_bwd``. This pass replaces it with the schedule itself:
 the same schedule code that runs eagerly, traced with ``make_fx`` over ``TracedComm``, so its
-exchanges become post/wait op pairs around the eager exchanges (``traced_comm.py``), its blocks
+exchanges become post/wait op pairs around the eager exchanges (``comm/traced.py``), its blocks
 the kernel's aten ops, and its fp32 merges plain elementwise ops that inductor fuses. Each
 exchange is posted before the compute of the step it overlaps and waited on after it, as in eager.
 
@@ -156,7 +156,7 @@ def _expand(graph, node, after) -> None:
 def expand_ring_attention(graph: torch.fx.Graph) -> int:
     """Expand every ring-attention node of ``graph`` in place; returns how many were expanded.
     Every exchange on a process group is posted after the one before it in graph order, across
-    nodes (``traced_comm.py``: inductor must not reorder them)."""
+    nodes (``comm/traced.py``: inductor must not reorder them)."""
     nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _TARGETS]
     if not nodes:
         COUNTERS["graphs_without_ring_attention"] += 1  # nothing of ours here: leave it untouched

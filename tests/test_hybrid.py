@@ -3,9 +3,9 @@ layout, its all-to-all buffers, its numerics on simulated 2-D meshes up to 8 x 8
 (every outer schedule, fp32 and exact, GQA with and without repeated key/value heads, packed
 documents), its errors, and the cost model against the simulated communicator's modelled time.
 
-Tolerances: ``dtensor_ring.numerics.TOLERANCE`` (the single-device kernel's own error times 1.15 in
-fp32, 1.25 in bf16) and, for exact mode, test_exact.py's 1.02 of the exact path at W = 1. The
-all-to-all moves values without arithmetic, so the hybrid's error is its outer schedule's on O
+Tolerances: ``dtensor_ring.tools.numerics.TOLERANCE`` (the single-device kernel's own error times
+1.15 in fp32, 1.25 in bf16) and, for exact mode, test_exact.py's 1.02 of the exact path at W = 1.
+The all-to-all moves values without arithmetic, so the hybrid's error is its outer schedule's on O
 ranks. A hybrid whose inner ranks hold their sub-chunks in the wrong order must fail them.
 """
 import pytest
@@ -20,8 +20,8 @@ from dtensor_ring.hybrid.layout import HybridLayout
 from dtensor_ring.hybrid.schedule import Hybrid
 from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.layouts import ZIGZAG
-from dtensor_ring.numerics import (attention_and_grads, check_ratios, document_sdpa,
-                                   make_inputs, ratios, rel_rms, sdpa)
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, document_sdpa,
+                                         make_inputs, ratios, rel_rms, sdpa)
 from dtensor_ring.timeline import Link, Machine, modelled_time
 
 EXACT_TOLERANCE = 1.02  # test_exact.py's: exact mode's error may not grow with the mesh

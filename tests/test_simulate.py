@@ -14,7 +14,8 @@ from dtensor_ring.kernels.cpu_flash import CpuFlash
 from dtensor_ring.layouts import Block
 from dtensor_ring.layouts.stripe import Stripe
 from dtensor_ring.schedules.ring import RingSchedule
-from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs, ratios, rel_rms, sdpa
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
+                                         rel_rms, sdpa)
 
 
 def _check(schedule, world, dtype, *, is_causal=True, head_dim=64, q_heads=4, kv_heads=2,

@@ -26,11 +26,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import ops
+from ..comm.mesh import whole_group
 from ..hybrid import ops as hybrid_ops
 from ..kernels import get_kernel
 from ..layouts import get_layout
 from ..layouts.windows import check_window, effective_window, window_args
-from ..mesh import whole_group
 from ..validation import check_options, check_qkv
 from .kept_out import keep, kept
 from .local_attention import local_backward, local_forward
@@ -111,7 +111,7 @@ def _op_options(plan: SdpaPlan, a, options) -> tuple:
 
 def _group_names(plan: SdpaPlan) -> tuple:
     """The ring's process group by name; on a 2-D sequence sharding also the all-to-all's and
-    the whole sequence mesh's (``mesh.SequenceMesh``)."""
+    the whole sequence mesh's (``comm/mesh.SequenceMesh``)."""
     outer = plan.mesh.get_group(plan.seq_mesh_dim).group_name
     if plan.inner_mesh_dim is None:
         return (outer,)

@@ -6,7 +6,7 @@
     dtensor_ring::hybrid_attention_bwd(dout, q, k, v, out, lse, outer_group, ...) -> (dq, dk, dv)
 
 The same arguments as the ring's ops, with three process groups by name instead of one: the ring's
-(outer), the all-to-all's (inner) and one of all the mesh's ranks (``mesh.SequenceMesh.whole``,
+(outer), the all-to-all's (inner) and one of all the mesh's ranks (``comm/mesh.SequenceMesh.whole``,
 for the agreement check). Tensors in and out are this rank's shards ([B, H, S_local, D] in the
 hybrid layout), as for the ring; the compile pass expands both levels of each node.
 """
@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from ..comm.mesh import SequenceMesh
 from ..consistency import check as check_consistency
-from ..mesh import SequenceMesh
 from ..ops import schedule_call
 from .comm import process_group_comm
 from .heads import head_split
