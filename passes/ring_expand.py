@@ -62,11 +62,10 @@ from torch.distributed.distributed_c10d import _world
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dtensor_ring import ops as runtime_ops
+from dtensor_ring.call import RingCall
 from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
 from dtensor_ring.hybrid.comm import traced_comms
-from dtensor_ring.hybrid.schedule import placed_schedule
-from dtensor_ring.ops import schedule_call
 
 VERSION = "ring_expand-2"
 COUNTERS: collections.Counter = collections.Counter()
@@ -91,32 +90,26 @@ def _schedule_fn(node, after):
     handle for each group in ``posted`` (filled while it is traced) and that list."""
     forward, n_groups = _TARGETS[node.target]
     n_tensors = 3 if forward else 6
-    tensors, options = list(node.args[:n_tensors]), node.args[n_tensors:]
-    groups, options = options[:n_groups], options[n_groups:]
+    tensors = list(node.args[:n_tensors])
+    groups = node.args[n_tensors:n_tensors + n_groups]
+    call, cu_seqlens = RingCall.from_op_args(groups, *node.args[n_tensors + n_groups:])
     exchanged = groups[:2]  # the ring's (and the all-to-all's); not the whole mesh's
-    # window: (left, right) on a 1-D mesh's node; a 2-D mesh's has none
-    schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen, *window = options
-    q = tensors[0 if forward else 1].meta["val"]
     has_docs = cu_seqlens is not None
     chained = [g for g in exchanged if g in after]
     tensors += ([cu_seqlens] if has_docs else []) + [after[g] for g in chained]
     posted = []  # the groups whose last handles follow the results
 
-    def call(*args):
+    def run(*args):
         args = list(args)
         tokens = dict(zip(chained, args[len(args) - len(chained):]))
         del args[len(args) - len(chained):]
-        cu = args.pop() if has_docs else None
+        docs = call.documents(args.pop() if has_docs else None)
         comm, per_group = traced_comms(exchanged, tokens)
-        sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen, *window)
-        if n_groups > 1:
-            sched = placed_schedule(sched, comm.outer.world_size, comm.inner.world_size)
-        run = sched.forward if forward else sched.backward
-        results = run(comm, *args, is_causal=is_causal, scale=scale, **kwargs)
+        results = (call.forward if forward else call.backward)(comm, *args, docs=docs)
         posted[:] = [name for name, c in zip(exchanged, per_group) if c.last is not None]
         return (*results, *(c.last for c in per_group if c.last is not None))
 
-    return tensors, call, posted
+    return tensors, run, posted
 
 
 def _inline(graph, node, sub, tensors):

@@ -13,12 +13,12 @@ import torch
 
 import dtensor_ring as dr
 from dtensor_ring.attention import _SimulatedRing
+from dtensor_ring.call import RingCall
 from dtensor_ring.hybrid.cost import Job, pick, predict
 from dtensor_ring.hybrid.heads import (head_split, heads_of, sequence_into_, to_heads,
                                        to_sequence)
 from dtensor_ring.hybrid.layout import HybridLayout
 from dtensor_ring.hybrid.schedule import Hybrid
-from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.layouts import ZIGZAG
 from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, document_sdpa,
                                          make_inputs, ratios, rel_rms, sdpa)
@@ -153,9 +153,10 @@ def test_sub_chunks_in_the_wrong_order_fail_the_tolerance(dtype):
     single = attention_and_grads(sdpa(True), q, k, v, dout, dtype)
     wrong = Hybrid(dr.get_schedule("zigzag"), 2, 2)
     wrong.layout = _ReversedInnerLayout(ZIGZAG, 2, 2)
-    options = dict(is_causal=True, scale=16 ** -0.5, kernel=BACKENDS["cpu_flash"], docs=None)
-    got = attention_and_grads(lambda a, b, c: _SimulatedRing.apply(a, b, c, (2, 2), wrong,
-                                                                   options), q, k, v, dout, dtype)
+    call = RingCall(schedule="zigzag", mesh_shape=(2, 2), is_causal=True, scale=16 ** -0.5,
+                    backend="cpu_flash", precision="fp32", placed=wrong)
+    got = attention_and_grads(lambda a, b, c: _SimulatedRing.apply(a, b, c, (2, 2), call, None),
+                              q, k, v, dout, dtype)
     with pytest.raises(AssertionError, match="error ratio"):
         check_ratios(ratios(got, single, reference), dtype)
     assert rel_rms(got[0], reference[0]) > 10 * rel_rms(single[0], reference[0])
