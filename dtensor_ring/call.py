@@ -28,8 +28,8 @@ from .schedules import get_schedule
 
 @dataclass(frozen=True)
 class RingCall:
-    """Everything a call needs but its tensors, resolved: build it with ``resolve`` (from checked
-    arguments) or ``from_op_args`` (from a custom op's), never field by field elsewhere.
+    """Everything a call needs but its tensors, resolved: built by ``resolve`` (from checked
+    arguments) or ``from_op_args`` (from a custom op's).
 
     Packed documents' boundaries (``cu_seqlens``) are a tensor, and stay one: an op input under
     torch.compile (new boundaries are a new input, not a recompile), beside the call, never in
@@ -50,7 +50,8 @@ class RingCall:
             one that covers every document: plain attention).
         kernel (BlockKernel): the kernel named ``backend``.
         placed: the schedule object: the named schedule, on a 2-D mesh inside the hybrid's
-            (``hybrid/schedule.placed_schedule``).
+            (``hybrid/schedule.placed_schedule``); given only by the tests that run a
+            deliberately broken schedule.
     """
 
     schedule: str
