@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import init_device_mesh
 
 import dtensor_ring as dr
-from dtensor_ring.numerics import fwd_bwd
+from dtensor_ring.tools.numerics import fwd_bwd
 from timing import median_ms
 from dtensor_ring import passes
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
-from dtensor_ring.numerics import errors, fwd_bwd
+from dtensor_ring.tools.numerics import errors, fwd_bwd
 from timing import median_ms
 
 # (our backend, precision, the single-GPU SDPA kernel it is compared with)

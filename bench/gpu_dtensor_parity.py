@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import dtensor_ring as dr
 from dtensor_ring import dtensor as drt
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import NAMES, rel_rms
+from dtensor_ring.tools.numerics import NAMES, rel_rms
 
 # row name -> (the SDPA backend, so the aten op the rule handles; our block kernel; precision)
 SDPA_BACKENDS = {"cudnn": (SDPBackend.CUDNN_ATTENTION, "cudnn", "fp32"),

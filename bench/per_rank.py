@@ -11,8 +11,8 @@
 
 What runs (DESIGN.md, "How we measure"): rank r of a W-rank ring calls the schedule
 (``get_schedule(s).forward`` / ``.backward``, as ``ring_attention`` does, and casts the out it
-returns) with a ``dtensor_ring.replay.ReplayComm``: each exchange hands back preallocated buffers
-of the right shapes at once, no transfer, no copy. So the time is the rank's own work (block
+returns) with a ``dtensor_ring.comm.replay.ReplayComm``: each exchange hands back preallocated
+buffers of the right shapes at once, no transfer, no copy. So the time is the rank's own work (block
 kernels, fp32 merges and accumulations, copies, host work): what a real ring reaches with perfect
 overlap. One function, ``schedule_call``, calls the schedule; a new schedule keyword goes there.
 Inputs are [B, H, S, D]-contiguous by default; ``--layout bshd`` makes them [B, S, H, D] memory
@@ -90,13 +90,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dtensor_ring as dr  # noqa: E402
+from dtensor_ring.comm.replay import ReplayComm  # noqa: E402
 from dtensor_ring.kernels import BACKENDS, get_kernel  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE, repeat_kv  # noqa: E402
 from dtensor_ring.layouts import Segments  # noqa: E402
 from dtensor_ring.layouts.boundaries import Documents  # noqa: E402
 from dtensor_ring.layouts.placement import placement_of  # noqa: E402
 from dtensor_ring.layouts.windows import Band, Window, effective_window  # noqa: E402
-from dtensor_ring.replay import ReplayComm  # noqa: E402
 from graph_capture import failure, graph_measure, recover  # noqa: E402
 from kernel_kinds import breakdown  # noqa: E402
 from mixes import document_mix, placed_mix  # noqa: E402

@@ -81,7 +81,7 @@ from dtensor_ring.comm import TRAFFIC
 from dtensor_ring.kernels.base import CAUSAL, NONE
 from dtensor_ring.layouts.windows import Band
 from dtensor_ring.layouts import Segments
-from dtensor_ring.numerics import NAMES, errors, fwd_bwd
+from dtensor_ring.tools.numerics import NAMES, errors, fwd_bwd
 from mixes import placed_mix
 from report import describe, versions, write_json
 from speed_plot import fmt_row, plot, print_table

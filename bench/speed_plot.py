@@ -10,7 +10,7 @@ module's ``print_table`` and ``plot``."""
 import argparse
 import json
 
-from dtensor_ring.numerics import NAMES
+from dtensor_ring.tools.numerics import NAMES
 from report import style_fraction_axes
 
 _COLORS = {"ring": "C0", "zigzag": "C1", "stripe": "C2", "llama3": "C3",

@@ -27,7 +27,7 @@ from timing import local_median_ms  # noqa: E402
 from dtensor_ring.kernels.base import CAUSAL, NONE  # noqa: E402
 from dtensor_ring.kernels.cuda import Cudnn  # noqa: E402
 from dtensor_ring.kernels.triton_exact import TUNED, Tiles, TritonExact  # noqa: E402
-from dtensor_ring.numerics import NAMES, errors, fwd_bwd, make_inputs, sdpa  # noqa: E402
+from dtensor_ring.tools.numerics import NAMES, errors, fwd_bwd, make_inputs, sdpa  # noqa: E402
 
 # Around the best of a first, wider sweep on an H200 (d = 128, bf16, 16K tokens per GPU).
 CANDIDATES = {

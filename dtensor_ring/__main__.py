@@ -4,9 +4,9 @@ of every schedule's attention against float64)."""
 import argparse
 import sys
 
-from .accuracy_check import DTYPES, run_check
-from .demo import DEVICES, run_demo
 from .schedules import SCHEDULES
+from .tools.accuracy_check import DTYPES, run_check
+from .tools.demo import DEVICES, run_demo
 
 
 def main(argv=None) -> int:

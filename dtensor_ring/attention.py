@@ -13,32 +13,28 @@ its backward gets the 16-bit out's grad:
 exact mode's fp32 out, kept for the backward, is not handed to autograd, so no fp32 gradient is
 made and cast back.
 """
-import math
-import operator
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import ops
-from .consistency import check as check_consistency
-from .documents import documents
+from .call import RingCall
+from .comm.mesh import check_device, resolve_mesh
+from .comm.simulated import simulated_mesh
 from .hybrid import ops as hybrid_ops
 from .hybrid.comm import process_group_comm
 from .hybrid.heads import head_split
 from .hybrid.schedule import placed_schedule
-from .kernels import kernel_named, resolve_backend
-from .layouts.windows import check_window, effective_window, window_args
-from .mesh import check_device, resolve_mesh
+from .layouts.windows import check_window
 from .schedules import get_schedule
 from .sharding import from_rank_major
-from .simulated import simulated_mesh
 from .validation import check_int, check_options, check_qkv
 
 
 def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_mask, dropout_p,
              cu_seqlens, max_seqlen, window, mesh_shape, seq_len):
-    """``mesh_shape``: (ring ranks, all-to-all ranks); (W, 1) for a 1-D mesh."""
+    """The public arguments checked and resolved into (``RingCall``, its ``Documents`` or None).
+    ``mesh_shape``: (ring ranks, all-to-all ranks); (W, 1) for a 1-D mesh."""
     check_qkv(q, k, v)
     check_options(is_causal=is_causal, scale=scale, precision=precision, attn_mask=attn_mask,
                   dropout_p=dropout_p)
@@ -46,19 +42,9 @@ def _prepare(q, k, v, *, schedule, is_causal, scale, precision, backend, attn_ma
     if window is not None and mesh_shape[1] > 1:
         raise ValueError(f"window={tuple(window)} with a 2-D mesh of shape {tuple(mesh_shape)}: sliding "
                          "windows run on a 1-D mesh (the hybrid schedule takes none)")
-    sched, world = placed_schedule(get_schedule(schedule), *mesh_shape), math.prod(mesh_shape)
-    docs = documents(cu_seqlens, max_seqlen, seq_len,
-                     sched.layout.document_multiple(world), sched.layout.name, q.device,
-                     world_size=sched.layout.placement_world(world))
-    window = effective_window(window, is_causal, seq_len if docs is None else docs.max_len)
-    # Under torch.compile a head dim seen to change (the same code compiled again) becomes
-    # symbolic, which resolve_backend (a constant) cannot take. operator.index makes Dynamo
-    # specialise it (a guard on its value); int() and math.trunc leave it symbolic.
-    head_dim = operator.index(q.shape[-1])
-    kernel = kernel_named(resolve_backend(backend, q.device, q.dtype, head_dim, precision,
-                                          docs is not None, window is not None))
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    return sched, dict(is_causal=is_causal, scale=scale, kernel=kernel, docs=docs, window=window)
+    return RingCall.resolve(q, schedule=schedule, mesh_shape=mesh_shape, is_causal=is_causal,
+                            scale=scale, backend=backend, precision=precision, window=window,
+                            seq_len=seq_len, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 
 def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=None,
@@ -151,36 +137,20 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
             disagree.
     """
     seq_mesh = resolve_mesh(mesh)
-    world = seq_mesh.world_size
-    sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
-                              precision=precision, backend=backend, attn_mask=attn_mask,
-                              dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              window=window, mesh_shape=seq_mesh.shape,
-                              seq_len=q.shape[2] * world)
+    call, docs = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
+                          precision=precision, backend=backend, attn_mask=attn_mask,
+                          dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                          window=window, mesh_shape=seq_mesh.shape,
+                          seq_len=q.shape[2] * seq_mesh.world_size)
     check_device(mesh, q, "query")
-    sched.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
-    docs = options["docs"]
+    call.placed.layout.check_local_len(q.shape[2], "query.shape[2] (local sequence length)")
+    cu = None if docs is None else docs.cu
     if not _use_op(q):
-        # ops.py checks the rest
-        check_consistency(seq_mesh.check_group, q, k, schedule=schedule, is_causal=is_causal,
-                          precision=precision, scale=options["scale"],
-                          cu_seqlens=None if docs is None else docs.cu,
-                          window=options["window"],
-                          mesh=None if seq_mesh.inner is None else seq_mesh.shape)
-        return _Ring.apply(q, k, v, seq_mesh, sched, options)
-    # The documents' boundaries go into the graph as a tensor (new boundaries: no recompile);
-    # the bound on their length sizes kernel grids, so it is a constant of the graph
-    # (operator.index: Dynamo specialises it, as the head dim above).
-    if seq_mesh.inner is None:
-        op, groups = ops.ring_attention_fwd, (seq_mesh.outer.group_name,)
-        window = window_args(options["window"])
-    else:  # no window on a 2-D mesh (_prepare)
-        window = ()
-        op, groups = hybrid_ops.hybrid_attention_fwd, tuple(
-            g.group_name for g in (seq_mesh.outer, seq_mesh.inner, seq_mesh.whole))
-    out, _ = op(q, k, v, *groups, schedule, is_causal, options["scale"], options["kernel"].name,
-                precision, None if docs is None else docs.cu,
-                0 if docs is None else operator.index(docs.max_len), *window)
+        call.check(seq_mesh.check_group, q, k, cu)  # ops.py checks the rest
+        return _Ring.apply(q, k, v, seq_mesh, call, docs)
+    # The documents' boundaries go into the graph as a tensor (new boundaries: no recompile).
+    op = ops.ring_attention_fwd if seq_mesh.inner is None else hybrid_ops.hybrid_attention_fwd
+    out, _ = op(q, k, v, *call.op_args(seq_mesh.group_names, cu))
     return out.to(q.dtype)  # exact kernels leave the merged out in fp32 (kept for the backward)
 
 
@@ -193,21 +163,21 @@ def _use_op(x: torch.Tensor) -> bool:
 
 
 class _Ring(torch.autograd.Function):
-    """Eager ``ring_attention`` (see the module docstring): the schedule on the mesh's process
-    groups (a ``mesh.SequenceMesh``)."""
+    """Eager ``ring_attention`` (see the module docstring): the call on the mesh's process groups
+    (a ``comm/mesh.SequenceMesh``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh, schedule, options):
-        out, lse = schedule.forward(process_group_comm(mesh), q, k, v, **options)
+    def forward(ctx, q, k, v, mesh, call, docs):
+        out, lse = call.forward(process_group_comm(mesh), q, k, v, docs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mesh, ctx.schedule, ctx.options = mesh, schedule, options
+        ctx.mesh, ctx.call, ctx.docs = mesh, call, docs
         return out.to(q.dtype)  # exact kernels leave the merged out in fp32: saved, not returned
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.schedule.backward(process_group_comm(ctx.mesh), dout, q, k, v, out,
-                                           lse, **ctx.options)
+        dq, dk, dv = ctx.call.backward(process_group_comm(ctx.mesh), dout, q, k, v, out, lse,
+                                       ctx.docs)
         return dq, dk, dv, None, None, None
 
 
@@ -225,28 +195,27 @@ class _SimulatedRing(torch.autograd.Function):
     """``world``: W simulated ranks, or (ring ranks, all-to-all ranks) for a 2-D mesh."""
 
     @staticmethod
-    def forward(ctx, q, k, v, world, schedule, options):
-        docs = options["docs"]
+    def forward(ctx, q, k, v, world, call, docs):
         ctx.mesh = world  # a fresh simulated mesh of this shape for the backward
         sim = simulated_mesh(world)
-        world = sim.world_size
-        shards = [_shard_all(x, schedule.layout, world, docs) for x in (q, k, v)]
+        world, layout = sim.world_size, call.placed.layout
+        shards = [_shard_all(x, layout, world, docs) for x in (q, k, v)]
         results = sim.run(
-            lambda comm: schedule.forward(comm, *(s[comm.rank] for s in shards), **options))
+            lambda comm: call.forward(comm, *(s[comm.rank] for s in shards), docs))
         ctx.shards, ctx.results = shards, results
-        ctx.world, ctx.schedule, ctx.options = world, schedule, options
+        ctx.world, ctx.call, ctx.docs = world, call, docs
         # .to: exact kernels leave the merged out in fp32 (kept in ctx.results for the backward)
-        return _unshard_all([out.to(q.dtype) for out, _ in results], schedule.layout, world, docs)
+        return _unshard_all([out.to(q.dtype) for out, _ in results], layout, world, docs)
 
     @staticmethod
     def backward(ctx, dout):
-        world, layout, docs = ctx.world, ctx.schedule.layout, ctx.options["docs"]
+        world, layout, docs = ctx.world, ctx.call.placed.layout, ctx.docs
         douts = _shard_all(dout.contiguous(), layout, world, docs)
 
         def rank_backward(comm):
             q, k, v = (s[comm.rank] for s in ctx.shards)
             out, lse = ctx.results[comm.rank]
-            return ctx.schedule.backward(comm, douts[comm.rank], q, k, v, out, lse, **ctx.options)
+            return ctx.call.backward(comm, douts[comm.rank], q, k, v, out, lse, docs)
 
         grads = simulated_mesh(ctx.mesh).run(rank_backward)
         dq, dk, dv = (_unshard_all([g[i] for g in grads], layout, world, docs) for i in range(3))
@@ -297,11 +266,11 @@ def simulate_ring(q, k, v, *, world_size, schedule="zigzag", is_causal=False, sc
         q.shape[2], shape[0] * shape[1], "query.shape[2] (sequence length)")
     if shape[1] > 1:
         head_split(q.shape[1], k.shape[1], shape[1])
-    sched, options = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
-                              precision=precision, backend=backend, attn_mask=attn_mask,
-                              dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                              window=window, mesh_shape=shape, seq_len=q.shape[2])
-    return _SimulatedRing.apply(q, k, v, world_size, sched, options)
+    call, docs = _prepare(q, k, v, schedule=schedule, is_causal=is_causal, scale=scale,
+                          precision=precision, backend=backend, attn_mask=attn_mask,
+                          dropout_p=dropout_p, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                          window=window, mesh_shape=shape, seq_len=q.shape[2])
+    return _SimulatedRing.apply(q, k, v, world_size, call, docs)
 
 
 def _mesh_shape(world_size) -> tuple[int, int]:

@@ -17,8 +17,8 @@ of them posts an exchange: nobody is left waiting. A signature that failed is no
 repeated mistake raises again.
 
 On a 2-D mesh (ring x all-to-all, ``hybrid/``) the group is one of all the mesh's ranks
-(``mesh.whole_group``) and the signature holds the mesh's shape, so ranks calling with meshes of
-different shapes over the same ranks (2 x 2 on some, 1 x 4 on others) are caught too.
+(``comm/mesh.whole_group``) and the signature holds the mesh's shape, so ranks calling with meshes
+of different shapes over the same ranks (2 x 2 on some, 1 x 4 on others) are caught too.
 
 Where it runs: eagerly, in ``ring_attention`` before its autograd function, and in the custom op
 ``dtensor_ring::ring_attention_fwd`` (the DTensor rule's path, and ``ring_attention`` while a
@@ -152,7 +152,7 @@ def check(group: dist.ProcessGroup, q, k, *, schedule: str, is_causal: bool, pre
     """Raise ``ValueError`` on every rank of ``group`` unless all ranks call with this signature
     (see the module docstring); a no-op for a signature this group has checked already.
     ``mesh``: (ring ranks, all-to-all ranks) of a call on a 2-D mesh, whose ``group`` holds all of
-    its ranks (``mesh.SequenceMesh.check_group``)."""
+    its ranks (``comm/mesh.SequenceMesh.check_group``)."""
     if _mode == "off":
         return
     seen = _checked.get(group)
@@ -233,7 +233,7 @@ class _outside_tracing:
 
 
 def _all_gather(group, values: list[int], device) -> list[list[int]]:
-    from .comm import _all_gather_tensor  # noqa: PLC0415 - comm's torch-version alias
+    from .comm.process_group import _all_gather_tensor  # noqa: PLC0415 - the torch-version alias
 
     world = dist.get_world_size(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .comm.mesh import resolve_group
 from .documents import IGNORE_INDEX
-from .mesh import resolve_group
 
 
 def items_per_rank(labels: torch.Tensor, world: int, num_items=None, ignore_index=IGNORE_INDEX):

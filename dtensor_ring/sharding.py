@@ -7,10 +7,10 @@ import math
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from .comm.mesh import check_device, resolve_mesh
 from .documents import documents, within_document
 from .hybrid.layout import placed_layout
 from .layouts import Layout, get_layout
-from .mesh import check_device, resolve_mesh
 from .schedules import get_schedule
 from .validation import check_int, check_tensor, normalize_dim
 

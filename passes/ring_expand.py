@@ -3,7 +3,7 @@
 ``ring_attention`` (and the DTensor rule) put one node per attention into the graph,
 ``dtensor_ring::ring_attention_fwd`` or ``_bwd``. This pass replaces it with the schedule itself:
 the same schedule code that runs eagerly, traced with ``make_fx`` over ``TracedComm``, so its
-exchanges become post/wait op pairs around the eager exchanges (``traced_comm.py``), its blocks
+exchanges become post/wait op pairs around the eager exchanges (``comm/traced.py``), its blocks
 the kernel's aten ops, and its fp32 merges plain elementwise ops that inductor fuses. Each
 exchange is posted before the compute of the step it overlaps and waited on after it, as in eager.
 
@@ -62,11 +62,10 @@ from torch.distributed.distributed_c10d import _world
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dtensor_ring import ops as runtime_ops
+from dtensor_ring.call import RingCall
 from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
 from dtensor_ring.hybrid.comm import traced_comms
-from dtensor_ring.hybrid.schedule import placed_schedule
-from dtensor_ring.ops import schedule_call
 
 VERSION = "ring_expand-2"
 COUNTERS: collections.Counter = collections.Counter()
@@ -91,32 +90,26 @@ def _schedule_fn(node, after):
     handle for each group in ``posted`` (filled while it is traced) and that list."""
     forward, n_groups = _TARGETS[node.target]
     n_tensors = 3 if forward else 6
-    tensors, options = list(node.args[:n_tensors]), node.args[n_tensors:]
-    groups, options = options[:n_groups], options[n_groups:]
+    tensors = list(node.args[:n_tensors])
+    groups = node.args[n_tensors:n_tensors + n_groups]
+    call, cu_seqlens = RingCall.from_op_args(groups, *node.args[n_tensors + n_groups:])
     exchanged = groups[:2]  # the ring's (and the all-to-all's); not the whole mesh's
-    # window: (left, right) on a 1-D mesh's node; a 2-D mesh's has none
-    schedule, is_causal, scale, backend, precision, cu_seqlens, max_seqlen, *window = options
-    q = tensors[0 if forward else 1].meta["val"]
     has_docs = cu_seqlens is not None
     chained = [g for g in exchanged if g in after]
     tensors += ([cu_seqlens] if has_docs else []) + [after[g] for g in chained]
     posted = []  # the groups whose last handles follow the results
 
-    def call(*args):
+    def run(*args):
         args = list(args)
         tokens = dict(zip(chained, args[len(args) - len(chained):]))
         del args[len(args) - len(chained):]
-        cu = args.pop() if has_docs else None
+        docs = call.documents(args.pop() if has_docs else None)
         comm, per_group = traced_comms(exchanged, tokens)
-        sched, kwargs = schedule_call(schedule, q, backend, precision, cu, max_seqlen, *window)
-        if n_groups > 1:
-            sched = placed_schedule(sched, comm.outer.world_size, comm.inner.world_size)
-        run = sched.forward if forward else sched.backward
-        results = run(comm, *args, is_causal=is_causal, scale=scale, **kwargs)
+        results = (call.forward if forward else call.backward)(comm, *args, docs=docs)
         posted[:] = [name for name, c in zip(exchanged, per_group) if c.last is not None]
         return (*results, *(c.last for c in per_group if c.last is not None))
 
-    return tensors, call, posted
+    return tensors, run, posted
 
 
 def _inline(graph, node, sub, tensors):
@@ -156,7 +149,7 @@ def _expand(graph, node, after) -> None:
 def expand_ring_attention(graph: torch.fx.Graph) -> int:
     """Expand every ring-attention node of ``graph`` in place; returns how many were expanded.
     Every exchange on a process group is posted after the one before it in graph order, across
-    nodes (``traced_comm.py``: inductor must not reorder them)."""
+    nodes (``comm/traced.py``: inductor must not reorder them)."""
     nodes = [n for n in graph.nodes if n.op == "call_function" and n.target in _TARGETS]
     if not nodes:
         COUNTERS["graphs_without_ring_attention"] += 1  # nothing of ours here: leave it untouched

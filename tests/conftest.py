@@ -1,6 +1,6 @@
 """Session set-up shared by every test module.
 
-Without a GPU the Triton kernels (``kernels/triton_attention.py``, ``triton_merge.py``) run under
+Without a GPU the Triton kernels (``kernels/triton_attention.py``, ``merge/fused.py``) run under
 Triton's interpreter. ``TRITON_INTERPRET`` must be set before ``triton`` is first imported, since
 Triton's own library functions (``tl.zeros``, ...) are compiled or interpreted from that moment on,
 and ``import dtensor_ring`` imports it (through torch's inductor) in whichever test module comes

@@ -2,8 +2,8 @@
 import torch
 
 from dtensor_ring.__main__ import main
-from dtensor_ring.accuracy_check import verdict
-from dtensor_ring.numerics import TOLERANCE
+from dtensor_ring.tools.accuracy_check import verdict
+from dtensor_ring.tools.numerics import TOLERANCE
 
 
 def test_check_job_runs_and_reports_every_rank_within_tolerance(capsys):

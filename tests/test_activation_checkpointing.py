@@ -37,8 +37,8 @@ from dtensor_ring import dtensor as drt
 from dtensor_ring import passes
 from dtensor_ring.comm import TRAFFIC
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
-                                   rel_rms, sdpa)
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
+                                         rel_rms, sdpa)
 from dist_utils import run_on_ranks
 from dtensor_helpers import dtensor_sdpa
 from rope_model import RopeTransformer
@@ -168,8 +168,8 @@ def _seeded(cls, *args):
 
 def _dtensor_rule(mesh, failures, rank):
     """SDPA on sequence-sharded DTensors inside a checkpointed function: every rank's shards of
-    out, dq, dk, dv right (the tolerances of ``dtensor_ring.numerics``), and the recompute's ring
-    traffic as with ContextParallel."""
+    out, dq, dk, dv right (the tolerances of ``dtensor_ring.tools.numerics``), and the recompute's
+    ring traffic as with ContextParallel."""
     drt.set_sequence_schedule(mesh, "zigzag")
     q, k, v, dout = make_inputs(2, 4, 2, 32 * mesh.size(), 16, seed=5)
     reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)

@@ -24,7 +24,7 @@ from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.kernels.base import CAUSAL, NONE
 from dtensor_ring.kernels.cpu_flash import CpuFlash
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import attention_and_grads, make_inputs, rel_rms, sdpa
+from dtensor_ring.tools.numerics import attention_and_grads, make_inputs, rel_rms, sdpa
 from dist_utils import run_on_ranks
 
 LIMIT = 1e-5

@@ -8,9 +8,9 @@ head count, head dim, batch, dtype, schedule, causality or precision on one rank
 rule (different registered schedules per rank) and under ``torch.compile`` (caught while Dynamo
 traces). Each error names the differing field, the ranks and their values, and every rank raises
 the same one. After the errors, consistent calls still run and match a float64 reference (fp32
-tolerance of ``dtensor_ring.numerics``), and a checked signature costs no collective: a rank that
-checks it again alone returns at once (a collective would time out). ``set_mode("every")`` catches
-the change the cache cannot (one rank switching to a new signature while the other repeats a
+tolerance of ``dtensor_ring.tools.numerics``), and a checked signature costs no collective: a rank
+that checks it again alone returns at once (a collective would time out). ``set_mode("every")``
+catches the change the cache cannot (one rank switching to a new signature while the other repeats a
 checked one). Compiled, the check adds no graph break and no recompile.
 """
 import math
@@ -26,7 +26,7 @@ import dtensor_ring as dr
 from dtensor_ring import consistency
 from dtensor_ring import dtensor as drt
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs, ratios, sdpa
+from dtensor_ring.tools.numerics import attention_and_grads, check_ratios, make_inputs, ratios, sdpa
 from dist_utils import run_on_ranks
 from dtensor_helpers import expect_error
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 import dtensor_ring as dr
 from dtensor_ring import dtensor as drt
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import rel_rms
+from dtensor_ring.tools.numerics import rel_rms
 from dist_utils import run_on_ranks
 from dtensor_helpers import expect_error
 

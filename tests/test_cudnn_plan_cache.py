@@ -15,7 +15,7 @@ runs in a fresh process:
    and dout in [B, S, H, D] memory (what a ring of another library does);
 3. every schedule x fp32/exact, simulated at W = 4 (batch 1 and 2), and compiled on a one-rank
    NCCL group (after the first poison), must then match float64 within the usual tolerance of the single-GPU kernel's
-   error (``dtensor_ring.numerics``).
+   error (``dtensor_ring.tools.numerics``).
 
 On 0df9128 (dout/out with q's strides, nothing else) the first three poisons give dq/dk/dv
 rel-RMS of order 1 (checked when this test was written). With two or more GPUs, the issue's own
@@ -33,10 +33,10 @@ import torch.distributed as dist
 import dtensor_ring as dr
 from dtensor_ring.kernels import BACKENDS, get_kernel
 from dtensor_ring.kernels.cuda import _PLAN_KEY_HOLDS_EVERY_OPERAND, unshared_keys
-from dtensor_ring.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
-                                   rel_rms, sdpa)
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
+                                         rel_rms, sdpa)
+from dtensor_ring.comm.simulated import SimWorld
 from dtensor_ring.schedules import get_schedule
-from dtensor_ring.simulated import SimWorld
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN needs a GPU")
 

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dtensor_ring as dr
 from dtensor_ring import dtensor as drt
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import rel_rms
+from dtensor_ring.tools.numerics import rel_rms
 from dist_utils import run_on_ranks
 from dtensor_helpers import CollectiveLog, expect_error
 from rope_model import RopeTransformer

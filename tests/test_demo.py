@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from dtensor_ring import demo
 from dtensor_ring.__main__ import main
+from dtensor_ring.tools import demo
 from dist_utils import run_on_ranks
 
 

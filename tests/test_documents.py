@@ -2,7 +2,7 @@
 reference of each document's own attention, and the errors for bad boundaries.
 
 The reference is the single-device kernel run on each document alone (a block-diagonal mask), in
-float64; tolerances as everywhere (``dtensor_ring/numerics.py``: fp32 mode <= 1.25x the
+float64; tolerances as everywhere (``dtensor_ring/tools/numerics.py``: fp32 mode <= 1.25x the
 single-device kernel's rel-RMS in bf16), and exact mode <= 1.02x it *per document* (documents
 shorter than 16 tokens together). A ring that ignores the boundaries, or boundaries one chunk
 off, must fail them.
@@ -16,15 +16,15 @@ import torch
 import dtensor_ring as dr
 from dist_utils import run_on_ranks
 from dtensor_ring.comm import TRAFFIC
+from dtensor_ring.comm.simulated import SimWorld
 from dtensor_ring.documents import documents, within_document
 from dtensor_ring.kernels import get_kernel
-from dtensor_ring.schedules.llama3 import _NaturalOrder
-from dtensor_ring.simulated import SimWorld
 from dtensor_ring.layouts import placement
 from dtensor_ring.layouts.boundaries import Documents
 from dtensor_ring.layouts.placement import placement_of, plan_row
-from dtensor_ring.numerics import (NAMES, attention_and_grads, check_ratios, document_sdpa,
-                                   make_inputs, ratios, rel_rms)
+from dtensor_ring.schedules.llama3 import _NaturalOrder
+from dtensor_ring.tools.numerics import (NAMES, attention_and_grads, check_ratios, document_sdpa,
+                                         make_inputs, ratios, rel_rms)
 from dtensor_ring.sharding import rank_major_positions
 
 EXACT_PER_DOCUMENT = 1.02

@@ -27,7 +27,7 @@ import dtensor_ring as dr
 from dist_utils import run_on_ranks
 from dtensor_ring.dtensor import sync_gradients
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import rel_rms
+from dtensor_ring.tools.numerics import rel_rms
 
 FP32_LIMIT = 1e-5
 WRONG_FACTOR = 100

@@ -2,10 +2,10 @@
 
 Every case runs forward and backward of ``F.scaled_dot_product_attention`` on DTensors and every
 rank checks its shard of out, dq, dk, dv against a float64 reference of the whole attention, with
-the tolerances of ``dtensor_ring.numerics`` (fp32 <= 1.15x, bf16 <= 1.25x the single-device kernel's
-rel-RMS), plus a check that the same numbers in the wrong layout fail them. CommDebugMode and a
-collective log show what moved: nothing gathered for the ring schedules, exactly K/V for llama3,
-nothing at all for local attention. Bad inputs raise ValueError naming what is wrong.
+the tolerances of ``dtensor_ring.tools.numerics`` (fp32 <= 1.15x, bf16 <= 1.25x the single-device
+kernel's rel-RMS), plus a check that the same numbers in the wrong layout fail them. CommDebugMode
+and a collective log show what moved: nothing gathered for the ring schedules, exactly K/V for
+llama3, nothing at all for local attention. Bad inputs raise ValueError naming what is wrong.
 """
 import itertools
 import subprocess
@@ -21,8 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
 from dtensor_ring import dtensor as drt
-from dtensor_ring.numerics import (TOLERANCE, attention_and_grads, check_ratios, make_inputs,
-                                   ratios, sdpa)
+from dtensor_ring.tools.numerics import (TOLERANCE, attention_and_grads, check_ratios, make_inputs,
+                                         ratios, sdpa)
 from dtensor_helpers import CollectiveLog, dtensor_sdpa, expect_error, local_shard
 from dist_utils import run_on_ranks
 

@@ -15,7 +15,7 @@ import dtensor_ring as dr
 from dist_utils import run_on_ranks
 from dtensor_ring.kernels import EXACT_BACKENDS, get_kernel
 from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
-from dtensor_ring.numerics import attention_and_grads, make_inputs, ratios, rel_rms, sdpa
+from dtensor_ring.tools.numerics import attention_and_grads, make_inputs, ratios, rel_rms, sdpa
 
 EXACT_TOLERANCE = 1.02
 SEQ, WORLDS = 256, (2, 4, 8, 16)

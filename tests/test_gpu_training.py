@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import dtensor_ring as dr
 from dtensor_ring.models import Llama, LlamaConfig
+from dtensor_ring.tools.numerics import rel_rms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -50,9 +51,9 @@ def test_fsdp2_and_checkpointing_on_nccl(mesh, compiled, documents):
     loss.backward()
     grads = {dp._plain_name(n): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
                                  else p.grad) for n, p in model.named_parameters()}
-    errors = {n: dr.numerics.rel_rms(grads[n], g) for n, g in ref_grads.items()}
+    errors = {n: rel_rms(grads[n], g) for n, g in ref_grads.items()}
     worst = max(errors, key=errors.get)
-    assert dr.numerics.rel_rms(loss.detach(), ref_loss) <= 1e-5
+    assert rel_rms(loss.detach(), ref_loss) <= 1e-5
     assert errors[worst] <= 1e-5, (worst, errors[worst])
 
 
@@ -98,8 +99,8 @@ def test_bf16_compiled_model_is_as_accurate_as_without_context_parallel(mesh, mo
             loss = dp._loss(compiled(ids, labels=labels))
             loss.backward()
         grads = {dp._plain_name(n): p.grad for n, p in model.named_parameters()}
-        return ({n: dr.numerics.rel_rms(grads[n], g) for n, g in ref_grads.items()},
-                dr.numerics.rel_rms(loss.detach(), ref_loss))
+        return ({n: rel_rms(grads[n], g) for n, g in ref_grads.items()},
+                rel_rms(loss.detach(), ref_loss))
 
     torch.compiler.reset()
     plain, plain_loss = errors(copy.deepcopy(base).bfloat16())

@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring import hf  # noqa: E402
 from dtensor_ring.comm import TRAFFIC  # noqa: E402
-from dtensor_ring.numerics import rel_rms  # noqa: E402
+from dtensor_ring.tools.numerics import rel_rms  # noqa: E402
 from dist_utils import run_on_ranks  # noqa: E402
 from dtensor_helpers import expect_error  # noqa: E402
 

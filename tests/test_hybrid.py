@@ -3,9 +3,9 @@ layout, its all-to-all buffers, its numerics on simulated 2-D meshes up to 8 x 8
 (every outer schedule, fp32 and exact, GQA with and without repeated key/value heads, packed
 documents), its errors, and the cost model against the simulated communicator's modelled time.
 
-Tolerances: ``dtensor_ring.numerics.TOLERANCE`` (the single-device kernel's own error times 1.15 in
-fp32, 1.25 in bf16) and, for exact mode, test_exact.py's 1.02 of the exact path at W = 1. The
-all-to-all moves values without arithmetic, so the hybrid's error is its outer schedule's on O
+Tolerances: ``dtensor_ring.tools.numerics.TOLERANCE`` (the single-device kernel's own error times
+1.15 in fp32, 1.25 in bf16) and, for exact mode, test_exact.py's 1.02 of the exact path at W = 1.
+The all-to-all moves values without arithmetic, so the hybrid's error is its outer schedule's on O
 ranks. A hybrid whose inner ranks hold their sub-chunks in the wrong order must fail them.
 """
 import pytest
@@ -13,15 +13,15 @@ import torch
 
 import dtensor_ring as dr
 from dtensor_ring.attention import _SimulatedRing
+from dtensor_ring.call import RingCall
 from dtensor_ring.hybrid.cost import Job, pick, predict
 from dtensor_ring.hybrid.heads import (head_split, heads_of, sequence_into_, to_heads,
                                        to_sequence)
 from dtensor_ring.hybrid.layout import HybridLayout
 from dtensor_ring.hybrid.schedule import Hybrid
-from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.layouts import ZIGZAG
-from dtensor_ring.numerics import (attention_and_grads, check_ratios, document_sdpa,
-                                   make_inputs, ratios, rel_rms, sdpa)
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, document_sdpa,
+                                         make_inputs, ratios, rel_rms, sdpa)
 from dtensor_ring.timeline import Link, Machine, modelled_time
 
 EXACT_TOLERANCE = 1.02  # test_exact.py's: exact mode's error may not grow with the mesh
@@ -153,9 +153,10 @@ def test_sub_chunks_in_the_wrong_order_fail_the_tolerance(dtype):
     single = attention_and_grads(sdpa(True), q, k, v, dout, dtype)
     wrong = Hybrid(dr.get_schedule("zigzag"), 2, 2)
     wrong.layout = _ReversedInnerLayout(ZIGZAG, 2, 2)
-    options = dict(is_causal=True, scale=16 ** -0.5, kernel=BACKENDS["cpu_flash"], docs=None)
-    got = attention_and_grads(lambda a, b, c: _SimulatedRing.apply(a, b, c, (2, 2), wrong,
-                                                                   options), q, k, v, dout, dtype)
+    call = RingCall(schedule="zigzag", mesh_shape=(2, 2), is_causal=True, scale=16 ** -0.5,
+                    backend="cpu_flash", precision="fp32", placed=wrong)
+    got = attention_and_grads(lambda a, b, c: _SimulatedRing.apply(a, b, c, (2, 2), call, None),
+                              q, k, v, dout, dtype)
     with pytest.raises(AssertionError, match="error ratio"):
         check_ratios(ratios(got, single, reference), dtype)
     assert rel_rms(got[0], reference[0]) > 10 * rel_rms(single[0], reference[0])

@@ -5,7 +5,7 @@ sharding; ``ContextParallel`` on a 2 x 2 mesh trained against one process step b
 packed documents, activation checkpointing and under ``torch.compile``; and the errors every rank
 must raise (heads that do not split, meshes that disagree).
 
-Tolerances: ``dtensor_ring.numerics.TOLERANCE`` for attention (every rank checks its shard of
+Tolerances: ``dtensor_ring.tools.numerics.TOLERANCE`` for attention (every rank checks its shard of
 out, dq, dk, dv against float64, and that ``simulate_ring`` on the same 2-D mesh gives the same
 bits); for models, test_context_parallel.py's fp32 rel-RMS <= 1e-5 against float64 (a model on
 local RoPE positions misses it by more than 10x).
@@ -26,8 +26,8 @@ from dtensor_ring import dtensor as drt
 from dtensor_ring import passes
 from dtensor_ring.comm import TRAFFIC
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
-                                   rel_rms, sdpa)
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
+                                         rel_rms, sdpa)
 from test_documents_models import BlockDiagonalSdpa, _positions
 
 NAMES = ("cp_ring", "cp_a2a")

@@ -4,7 +4,7 @@ Each available backend must (1) match its own single-device SDPA kernel on whole
 the float64 bottom-right causal result where it offers that mask, and (3) have the property the
 ring relies on: attention split over two key blocks, merged in fp32, with each block's backward
 taking the *merged* out and LSE, gives the whole attention's out and gradients, with error no more
-than dtensor_ring/numerics.py's tolerance times the unsplit kernel's.
+than dtensor_ring/tools/numerics.py's tolerance times the unsplit kernel's.
 """
 import pytest
 import torch
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from dtensor_ring.merge import init_, merge_
-from dtensor_ring.numerics import TOLERANCE, rel_rms
 from dtensor_ring.schedules.base import backward_operands
+from dtensor_ring.tools.numerics import TOLERANCE, rel_rms
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = (torch.float32, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The ring shift on the copy engines (``dtensor_ring/peer_copy.py``; two or more GPUs of one host,
+"""The ring shift on the copy engines (``dtensor_ring/comm/peer_copy.py``; two or more GPUs of one host,
 skipped otherwise).
 
 On W = min(GPUs, 4) NCCL ranks, the ring schedules (ring, zigzag, stripe: the ones that shift
@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import dtensor_ring as dr
-from dtensor_ring import peer_copy
-from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs, ratios, sdpa
+from dtensor_ring.comm import peer_copy
+from dtensor_ring.tools.numerics import attention_and_grads, check_ratios, make_inputs, ratios, sdpa
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs several GPUs")
 

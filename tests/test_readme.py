@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 import dtensor_ring as dr
 from dtensor_ring.documents import documents
-from dtensor_ring.launch import launch
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import rel_rms
+from dtensor_ring.tools.launch import launch
+from dtensor_ring.tools.numerics import rel_rms
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FP32_LIMIT = 1e-5

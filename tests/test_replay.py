@@ -1,14 +1,14 @@
-"""``ReplayComm`` (dtensor_ring/replay.py): one rank of a ring, its communication replaced by ready
-buffers. The buffers have the shapes and dtypes a peer would send, hold N(0, 1) values, and are
-allocated once: a second iteration after ``rewind()`` reuses every one and, since no schedule reads
-a buffer after writing into it, gives the same results bit for bit."""
+"""``ReplayComm`` (dtensor_ring/comm/replay.py): one rank of a ring, its communication replaced by
+ready buffers. The buffers have the shapes and dtypes a peer would send, hold N(0, 1) values, and
+are allocated once: a second iteration after ``rewind()`` reuses every one and, since no schedule
+reads a buffer after writing into it, gives the same results bit for bit."""
 
 import pytest
 import torch
 
 import dtensor_ring as dr
+from dtensor_ring.comm.replay import ReplayComm
 from dtensor_ring.kernels import get_kernel
-from dtensor_ring.replay import ReplayComm
 
 
 def test_operations_hand_back_buffers_of_the_peers_shapes():

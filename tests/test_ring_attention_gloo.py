@@ -1,6 +1,7 @@
 """ring_attention on real gloo process groups at W = 1..4: every schedule, causal and not, GQA and
 MHA, fp32 and bf16. Every rank checks its shard of out, dq, dk, dv against a float64 reference of the
-whole attention (tolerances: dtensor_ring/numerics.py), and that simulate_ring gives the same bits."""
+whole attention (tolerances: dtensor_ring/tools/numerics.py), and that simulate_ring gives the same
+bits."""
 import itertools
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import dtensor_ring as dr
 from dist_utils import run_on_ranks
 from dtensor_ring.kernels import BACKENDS
-from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs, ratios, sdpa
+from dtensor_ring.tools.numerics import attention_and_grads, check_ratios, make_inputs, ratios, sdpa
 from test_simulate import SquareCausalOnly
 
 CASES = list(itertools.product(sorted(dr.SCHEDULES), (True, False), (2, 4),

@@ -24,8 +24,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import dtensor_ring  # noqa: F401 - registers the ops
 from dtensor_ring import ops
+from dtensor_ring.comm.mesh import resolve_mesh
 from dtensor_ring.hybrid import ops as hybrid_ops
-from dtensor_ring.mesh import resolve_mesh
 from dtensor_ring.passes import (COUNTERS, ComposedPass, RingExpandPass, expand_ring_attention,
                                  install)
 from dtensor_ring.passes.ring_expand import source_key

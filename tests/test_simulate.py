@@ -8,13 +8,15 @@ import pytest
 import torch
 
 import dtensor_ring as dr
+from dtensor_ring.call import RingCall
 from dtensor_ring.kernels import BACKENDS
 from dtensor_ring.kernels.base import CAUSAL, NONE
 from dtensor_ring.kernels.cpu_flash import CpuFlash
 from dtensor_ring.layouts import Block
 from dtensor_ring.layouts.stripe import Stripe
 from dtensor_ring.schedules.ring import RingSchedule
-from dtensor_ring.numerics import attention_and_grads, check_ratios, make_inputs, ratios, rel_rms, sdpa
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
+                                         rel_rms, sdpa)
 
 
 def _check(schedule, world, dtype, *, is_causal=True, head_dim=64, q_heads=4, kv_heads=2,
@@ -107,9 +109,10 @@ def test_an_off_by_one_causal_mask_fails_the_tolerance(dtype):
     reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
     single = attention_and_grads(sdpa(True), q, k, v, dout, dtype)
     wrong = RingSchedule("stripe", _OffByOneStripe())
-    options = dict(is_causal=True, scale=64 ** -0.5, kernel=BACKENDS["cpu_flash"], docs=None)
+    call = RingCall(schedule="stripe", mesh_shape=(4, 1), is_causal=True, scale=64 ** -0.5,
+                    backend="cpu_flash", precision="fp32", placed=wrong)
     got = attention_and_grads(
-        lambda a, b, c: dr.attention._SimulatedRing.apply(a, b, c, 4, wrong, options),
+        lambda a, b, c: dr.attention._SimulatedRing.apply(a, b, c, 4, call, None),
         q, k, v, dout, dtype)
     with pytest.raises(AssertionError, match="error ratio"):
         check_ratios(ratios(got, single, reference), dtype)

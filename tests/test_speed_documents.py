@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dtensor_ring.numerics import (attention_and_grads, check_ratios, document_sdpa, fwd_bwd,
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, document_sdpa, fwd_bwd,
                                    make_inputs, ratios, rel_rms, sdpa)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))

@@ -17,13 +17,13 @@ pytest.importorskip("triton")
 
 import dtensor_ring as dr  # noqa: E402
 from dtensor_ring.kernels import EXACT_BACKENDS  # noqa: E402
-from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE, Into  # noqa: E402
 from dtensor_ring.kernels import triton_exact  # noqa: E402
+from dtensor_ring.kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE, Into  # noqa: E402
 from dtensor_ring.kernels.triton_exact import Tiles  # noqa: E402
 from dtensor_ring.layouts import Segments  # noqa: E402
 from dtensor_ring.layouts.windows import Band, Positions  # noqa: E402
 from dtensor_ring.merge import init_, merge_  # noqa: E402
-from dtensor_ring.numerics import rel_rms  # noqa: E402
+from dtensor_ring.tools.numerics import rel_rms  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KERNEL = EXACT_BACKENDS["triton_exact"]

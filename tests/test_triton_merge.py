@@ -1,6 +1,6 @@
-"""The Triton merge and accumulation (``triton_merge.py``, the CUDA entry of ``merge.FP32_OPS``)
-against the torch ops and float64: on a GPU compiled, on CPU under TRITON_INTERPRET=1 (set by
-conftest.py; skipped where triton is not installed).
+"""The Triton merge and accumulation (``merge/fused.py``, the CUDA entry of
+``merge/online.FP32_OPS``) against the torch ops and float64: on a GPU compiled, on CPU under
+TRITON_INTERPRET=1 (set by conftest.py; skipped where triton is not installed).
 
 Tolerance: the torch and Triton forms round differently (exp/log approximations, operation order),
 so they agree to a few fp32 ulps, not bit for bit: 2e-6 relative on out and lse of order 1..10.
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dtensor_ring.merge import FP32_OPS, TorchFp32, TritonFp32, init_, merge_  # noqa: E402
+from dtensor_ring.merge.online import FP32_OPS, TorchFp32, TritonFp32, init_, merge_  # noqa: E402
 
 torch_merge_, triton_merge_ = TorchFp32.merge_, TritonFp32.merge_
 

@@ -3,7 +3,7 @@ window leaves (against brute force), the kernels' window masks, and every schedu
 ``simulate_ring`` against float64 attention with the same window.
 
 Reference: float64 SDPA with the window as a dense boolean mask built from global positions (with
-documents: per document). Tolerances as everywhere (``numerics.TOLERANCE``: the single-device
+documents: per document). Tolerances as everywhere (``tools/numerics.TOLERANCE``: the single-device
 kernel's own error, here SDPA with the same mask), except at W = 64, where the fp32 path's error
 grows with W as without a window (``test_simulate.test_runs_at_64_simulated_ranks``: bound 2x).
 A window one token too wide must fail them.
@@ -23,8 +23,8 @@ from dtensor_ring.layouts import LAYOUTS, Segments
 from dtensor_ring.layouts.placement import placement_of
 from dtensor_ring.layouts.windows import (Band, Positions, Window, as_band, band_block,
                                           check_window, effective_window, split_rows)
-from dtensor_ring.numerics import (TOLERANCE, attention_and_grads, check_ratios, make_inputs,
-                                   ratios, rel_rms)
+from dtensor_ring.tools.numerics import (TOLERANCE, attention_and_grads, check_ratios, make_inputs,
+                                         ratios, rel_rms)
 from dtensor_ring.schedules.windowed import dense_plan, exchange_rows
 
 

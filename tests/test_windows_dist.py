@@ -5,8 +5,8 @@ different windows; the DTensor SDPA rule with a registered window (ring and repl
 ``ContextParallel(window=...)`` on the repository's Llama against the same model with a windowed
 mask on one process; and layers compiled one by one recompiling only for a new window.
 
-Tolerances: ``numerics.TOLERANCE`` (the single-device kernel's own error, SDPA with the window as a
-mask), stripe in fp32 as in test_windows.py; models: fp32 rel-RMS <= 1e-5 of float64, as in
+Tolerances: ``tools/numerics.TOLERANCE`` (the single-device kernel's own error, SDPA with the window
+as a mask), stripe in fp32 as in test_windows.py; models: fp32 rel-RMS <= 1e-5 of float64, as in
 test_context_parallel.py. Every rank asserts.
 """
 import copy
@@ -24,8 +24,8 @@ from dtensor_ring.comm import TRAFFIC
 from dtensor_ring.layouts import LAYOUTS
 from dtensor_ring.layouts.windows import Window
 from dtensor_ring.models import Llama, LlamaConfig
-from dtensor_ring.numerics import attention_and_grads, make_inputs, ratios, rel_rms
 from dtensor_ring.schedules.windowed import dense_plan
+from dtensor_ring.tools.numerics import attention_and_grads, make_inputs, ratios, rel_rms
 from dist_utils import run_on_ranks
 from dtensor_helpers import expect_error
 from test_windows import _check, window_mask, windowed_sdpa

@@ -17,7 +17,6 @@ one call and DTensor runs the op exactly as it would without dtensor_ring. For o
 Exact mode's fp32 out is kept for the backward beside the 16-bit out the op returns
 (``kept_out.py``), so that nothing is rounded before the final cast, as in ``ring_attention``.
 """
-import math
 import threading
 
 import torch
@@ -26,11 +25,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import ops
+from ..call import RingCall
+from ..comm.mesh import whole_group
 from ..hybrid import ops as hybrid_ops
-from ..kernels import get_kernel
 from ..layouts import get_layout
-from ..layouts.windows import check_window, effective_window, window_args
-from ..mesh import whole_group
+from ..layouts.windows import check_window
 from ..validation import check_options, check_qkv
 from .kept_out import keep, kept
 from .local_attention import local_backward, local_forward
@@ -77,7 +76,8 @@ def _local(x: DTensor) -> torch.Tensor:
     return x._local_tensor
 
 
-def _options(plan: SdpaPlan, spec, a, lq):
+def _call(plan: SdpaPlan, spec, a, lq) -> RingCall:
+    """The call (``call.py``) of SDPA's arguments and the registered schedule's options."""
     mask = a.get(spec.mask_arg) if spec.mask_arg else None
     if mask is not None:
         raise ValueError(
@@ -88,30 +88,29 @@ def _options(plan: SdpaPlan, spec, a, lq):
         raise ValueError("dropout_mask is not supported with sequence-sharded SDPA; valid: None")
     check_options(is_causal=a["is_causal"], scale=a["scale"], precision=plan.entry.precision,
                   attn_mask=None, dropout_p=a["dropout_p"])
-    scale = 1.0 / math.sqrt(lq.shape[-1]) if a["scale"] is None else float(a["scale"])
     # The registered window (SDPA has no argument for one), over the global sequence.
-    window = effective_window(check_window(plan.entry.window), a["is_causal"],
-                              lq.shape[2] * plan.world_size)
-    if window is not None and plan.inner_mesh_dim is not None:
-        raise ValueError(f"window={tuple(window)} with a 2-D sequence sharding (mesh dims "
+    call, _ = RingCall.resolve(lq, schedule=plan.entry.schedule,
+                               mesh_shape=(plan.mesh.size(plan.seq_mesh_dim), plan.inner_size),
+                               is_causal=a["is_causal"], scale=a["scale"],
+                               backend=plan.entry.backend, precision=plan.entry.precision,
+                               window=check_window(plan.entry.window),
+                               seq_len=lq.shape[2] * plan.world_size)
+    if call.window is not None and plan.inner_mesh_dim is not None:
+        raise ValueError(f"window={tuple(call.window)} with a 2-D sequence sharding (mesh dims "
                          f"{plan.seq_mesh_dim}, {plan.inner_mesh_dim}): sliding windows run on a "
                          "1-D one (the hybrid schedule takes none)")
-    kernel = get_kernel(plan.entry.backend, lq.device, lq.dtype, lq.shape[-1],
-                        plan.entry.precision, window=window is not None)
-    return dict(is_causal=a["is_causal"], scale=scale, kernel=kernel, window=window)
+    return call
 
 
-def _op_options(plan: SdpaPlan, a, options) -> tuple:
-    """The trailing arguments of ``ops.ring_attention_fwd/bwd`` (or, on a 2-D sequence sharding,
-    ``hybrid_attention_fwd/bwd``, which take no window): one graph node under compile."""
-    window = window_args(options["window"]) if plan.inner_mesh_dim is None else ()
-    return (*_group_names(plan), plan.entry.schedule, a["is_causal"], options["scale"],
-            options["kernel"].name, plan.entry.precision, None, 0, *window)
+def _local_options(call: RingCall) -> dict:
+    """What local attention (key/value replicated) takes of the call."""
+    return dict(is_causal=call.is_causal, scale=call.scale, kernel=call.kernel,
+                window=call.window)
 
 
 def _group_names(plan: SdpaPlan) -> tuple:
     """The ring's process group by name; on a 2-D sequence sharding also the all-to-all's and
-    the whole sequence mesh's (``mesh.SequenceMesh``)."""
+    the whole sequence mesh's (``comm/mesh.SequenceMesh``)."""
     outer = plan.mesh.get_group(plan.seq_mesh_dim).group_name
     if plan.inner_mesh_dim is None:
         return (outer,)
@@ -142,11 +141,11 @@ def _forward(plan, spec, a):
     lq, lk, lv = (_local(x).contiguous() for x in (q, k, v))
     if lk.shape[2] == lq.shape[2]:  # local attention may have a longer key/value
         check_qkv(lq, lk, lv)
-    options = _options(plan, spec, a, lq)
+    call = _call(plan, spec, a, lq)
     if plan.ring:
-        out, lse = _ring_ops(plan)[0](lq, lk, lv, *_op_options(plan, a, options))
+        out, lse = _ring_ops(plan)[0](lq, lk, lv, *call.op_args(_group_names(plan), None))
     else:
-        out, lse = local_forward(lq, lk, lv, **_local_layout_args(plan), **options)
+        out, lse = local_forward(lq, lk, lv, **_local_layout_args(plan), **_local_options(call))
     # Exact kernels return an fp32 out; SDPA's op returns the input dtype, and its backward
     # receives that: the fp32 one is kept for it (kept_out.py).
     rounded = out.to(lq.dtype)
@@ -173,17 +172,17 @@ def _backward(plan, spec, a):
     if tuple(grad.placements) != tuple(out.placements):
         grad = grad.redistribute(out.device_mesh, out.placements)
     lq, lk, lv = (_local(x).contiguous() for x in (q, k, v))
-    options = _options(plan, spec, a, lq)
+    call = _call(plan, spec, a, lq)
     fp32_out = kept(_local(out))
     lout = _local(out).contiguous() if fp32_out is None else fp32_out
     locals_ = (_local(grad).contiguous(), lq, lk, lv, lout, _local(lse))
     if plan.ring:
-        dq, dk, dv = _ring_ops(plan)[1](*locals_, *_op_options(plan, a, options))
+        dq, dk, dv = _ring_ops(plan)[1](*locals_, *call.op_args(_group_names(plan), None))
         kv_placements = k.placements
     else:
-        dq, dk, dv = local_backward(*locals_, **_local_layout_args(plan), **options)
+        dq, dk, dv = local_backward(*locals_, **_local_layout_args(plan), **_local_options(call))
         kv_placements = list(k.placements)
-        if options["kernel"].exact:  # the fp32 shares summed here, then rounded once
+        if call.kernel.exact:  # the fp32 shares summed here, then rounded once
             group = plan.mesh.get_group(plan.seq_mesh_dim)
             dk, dv = (funcol.all_reduce(x, "sum", group).to(y.dtype)
                       for x, y in ((dk, lk), (dv, lv)))

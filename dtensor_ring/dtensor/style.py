@@ -64,11 +64,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from ..attention import ring_attention
+from ..comm.mesh import resolve_mesh
 from ..hybrid.layout import placed_layout
 from ..layouts import get_layout
 from ..layouts.windows import check_window
 from ..loss import items_per_rank
-from ..mesh import resolve_mesh
 from ..schedules import get_schedule
 from ..sharding import sequence_positions, shard_sequence
 from ..validation import check_int
@@ -348,7 +348,7 @@ class ContextParallel(ParallelStyle):
         if not self._takes_transformers:
             _refuse_transformers(module)
         self._register(device_mesh)
-        resolve_mesh(device_mesh)  # a 2-D mesh's groups are found here, eagerly (mesh.py)
+        resolve_mesh(device_mesh)  # a 2-D mesh's groups are found here, eagerly (comm/mesh.py)
         params = inspect.signature(module.forward).parameters
         fill = self.position_ids is not None and self.position_ids in params
         if self.position_ids is not None and not fill:

@@ -4,8 +4,8 @@ an all-to-all over the inner ranks.
 ``AllToAll.all_to_all(tensor)``: ``tensor`` has a leading dim of size I; row d goes to inner rank d,
 and ``wait()`` gives a tensor of the same shape whose row s came from inner rank s. Posted at once,
 like every ``Communicator`` operation. The communicators of the ring have the method: on a process
-group (``comm.ProcessGroupComm``), traced for the compile pass (``traced_comm.TracedComm``), and
-between simulated ranks (``simulated.SimComm``).
+group (``comm.ProcessGroupComm``), traced for the compile pass (``comm/traced.TracedComm``),
+and between simulated ranks (``comm/simulated.SimComm``).
 """
 from typing import NamedTuple, Protocol
 
@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..comm import Communicator, Pending, ProcessGroupComm
-from ..mesh import SequenceMesh
-from ..traced_comm import TracedComm
+from ..comm.mesh import SequenceMesh
+from ..comm.traced import TracedComm
 
 
 class AllToAll(Protocol):
@@ -47,7 +47,7 @@ def process_group_comm(mesh: SequenceMesh):
 def traced_comms(group_names, after):
     """The compile pass's communicators for an op's groups (by name: the ring's, then on a 2-D
     mesh the all-to-all's), each posting after the handle ``after`` holds for its group (see
-    ``traced_comm.py``): (the schedule's communicator, the per-group ``TracedComm``s)."""
+    ``comm/traced.py``): (the schedule's communicator, the per-group ``TracedComm``s)."""
     comms = []
     for name in group_names:
         group = _resolve_process_group(name)

@@ -50,7 +50,7 @@ is exact in fp32, so the result is the same as the tensor-core path up to summat
 import triton
 import triton.language as tl
 
-from ..triton_merge import merge_rows
+from ..merge.fused import merge_rows
 
 LOG2E = 1.4426950408889634  # host side: the wrapper passes scale * LOG2E
 _LN2 = tl.constexpr(0.6931471805599453)  # kernels may read only constexpr globals
@@ -169,7 +169,7 @@ def _store(base, idx, stride, n, dims, stride_d, value, ADD: tl.constexpr, HEAD_
         inside = (idx[:, None] < n) & (dims[None, :] < HEAD_DIM)
     if ADD:
         value += tl.load(ptrs, mask=inside, other=0.0)
-        tl.debug_barrier()  # in place: every thread has loaded before any stores (triton_merge.py)
+        tl.debug_barrier()  # in place: every thread has loaded before any stores (merge/fused.py)
     tl.store(ptrs, value, mask=inside)
 
 
@@ -357,7 +357,7 @@ def _forward(Q, K, V, VAmax, Out, Lse, SegQ, LimQ, SegK, CuQ, CuK, PosQ, PosK,
     if MERGE:
         held = _load(out_base, rows, som, seq_q, dims, sod, True, HEAD_DIM, BLOCK_D)
         held_lse = tl.load(lse_ptrs, mask=rows < seq_q, other=0.0)
-        tl.debug_barrier()  # in place: every thread has loaded before any stores (triton_merge.py)
+        tl.debug_barrier()  # in place: every thread has loaded before any stores (merge/fused.py)
         out, lse = merge_rows(held, held_lse, out, lse)
     _store(out_base, rows, som, seq_q, dims, sod, out, False, HEAD_DIM, BLOCK_D)
     tl.store(lse_ptrs, lse, mask=rows < seq_q)

@@ -9,8 +9,8 @@ of custom ops around the eager one,
 exchange, also takes its offset and the received tensors' shapes, flattened in ``recv_sizes``), so
 a compiled ring exchanges exactly as an eager one does: the K/V (or dK/dV)
 of a ring step in one NCCL group, then the head start that lets NCCL onto the GPU before the
-step's attention kernel (``comm.NCCL_HEAD_START_CYCLES``), and each exchange where the schedule
-posts it.
+step's attention kernel (``process_group.NCCL_HEAD_START_CYCLES``), and each exchange where the
+schedule posts it.
 
 Why not PyTorch's functional collectives, as the pass used first. Torch 2.11 has no traceable
 send/recv (``_c10d_functional.isend`` and ``batch_p2p_ops`` came in 2.12); the
@@ -41,7 +41,8 @@ from typing import Optional
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .comm import ProcessGroupComm, _Done
+from .base import _Done
+from .process_group import ProcessGroupComm
 
 KINDS = ("send_recv_next", "send_recv", "all_gather", "reduce_scatter",
          "all_to_all")  # ProcessGroupComm's

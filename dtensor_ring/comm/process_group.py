@@ -1,61 +1,17 @@
-"""The communicator interface the schedules are written against, and its process-group implementation.
-
-A schedule needs four things from its peers; ``Communicator`` names them. ``ProcessGroupComm`` runs
-them on a real process group (gloo or NCCL); ``simulated.SimComm`` runs them between threads of one
-process, so ``simulate_ring`` executes the very same schedule code; ``traced_comm.TracedComm``
-expresses them as traceable ops, so the compile pass can trace that same code into a graph of
-explicit steps.
-
-Every operation is posted at once and returns a ``Pending``; ``wait()`` gives the result. A schedule
-posts the next step's exchange before it computes the current step, so the two overlap.
+"""``ProcessGroupComm``: the ``Communicator`` (``base.py``) on a ``torch.distributed`` process
+group, and ``TRAFFIC``, what it has posted.
 """
 import collections
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from .base import _Done, sum_in_rank_order
 from .peer_copy import peer_copy_ring
-
-
-class Pending(Protocol):
-    def wait(self): ...
-
-
-class Communicator(Protocol):
-    rank: int
-    world_size: int
-
-    def send_recv_next(self, tensors: list[torch.Tensor]) -> Pending:
-        """Send ``tensors`` to rank+1 and receive tensors of the same shapes from rank-1 (mod W);
-        ``wait()`` gives the list. One message per tensor, posted together: K and V travel
-        without being copied into one buffer first."""
-
-    def send_recv(self, offset: int, send: list[torch.Tensor], recv_shapes: list) -> Pending:
-        """Send ``send`` to rank + ``offset`` and receive tensors of ``recv_shapes`` (dtype and
-        device of the ``send`` tensor at the same place) from rank - ``offset`` (mod W);
-        ``wait()`` gives the list. A tensor of no elements is not sent or received. Every rank
-        calls it at the same points (its traced form is a collective), with nothing to move
-        where it has nothing: the sliding-window exchange (``schedules/windowed.py``)."""
-
-    def all_gather(self, tensor: torch.Tensor) -> Pending:
-        """Every rank's ``tensor`` stacked along a new leading dim of size W, in rank order."""
-
-    def reduce_scatter(self, tensor: torch.Tensor) -> Pending:
-        """``tensor`` has a leading dim of size W; rank r gets the sum over ranks of ``tensor[r]``."""
-
 
 # torch 2.13 renamed the tensor collectives; 2.11 and 2.12 only have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self):
-        return self.value
 
 
 class _Works:
@@ -66,14 +22,6 @@ class _Works:
         for work in self.works:
             work.wait()
         return self.finish(self.value) if self.finish else self.value
-
-
-def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
-    """Sum over the leading dim in a fixed order, so the simulated and gloo paths agree bit for bit."""
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total
 
 
 # cuDNN's attention kernels are persistent: one block per SM, with more shared memory than leaves
@@ -91,7 +39,7 @@ NCCL_HEAD_START_CYCLES = 20_000
 # What ``ProcessGroupComm`` has posted in this process since it started (or since you cleared it):
 # the number of each operation ("send_recv_next", "send_recv", "all_gather", "reduce_scatter")
 # and "bytes", the bytes this rank handed to them: the ring's exchanges, eager and compiled
-# (``traced_comm`` runs these same operations), for tests and accounting (e.g. an
+# (``traced.py`` runs these same operations), for tests and accounting (e.g. an
 # activation-checkpointing recompute's extra traffic).
 TRAFFIC: collections.Counter = collections.Counter()
 

@@ -1,6 +1,6 @@
 """``ReplayComm``: one rank of a W-rank ring on its own, communication replaced by ready buffers.
 
-A ``Communicator`` (``comm.py``) whose operations hand back, at once, buffers of the shapes and
+A ``Communicator`` (``base.py``) whose operations hand back, at once, buffers of the shapes and
 dtypes the peers would have sent: ``send_recv_next`` one like each tensor sent, ``send_recv``
 one of each shape asked for, ``all_gather`` [W, *shape], ``reduce_scatter`` ``shape[1:]``.
 Nothing is transferred or copied and what is sent is ignored, so a schedule run through it does exactly one rank's own work (block kernels, merges,
@@ -23,7 +23,7 @@ first.
 """
 import torch
 
-from .comm import _Done
+from .base import _Done
 
 
 class ReplayComm:
@@ -57,7 +57,7 @@ class ReplayComm:
 
     def _take(self, shapes_like: list[tuple[tuple, torch.Tensor]]) -> list[torch.Tensor]:
         """This operation's buffers: one per (shape, tensor whose dtype and device it takes);
-        the tensors' bytes count as sent (as ``comm.TRAFFIC`` counts them)."""
+        the tensors' bytes count as sent (as ``process_group.TRAFFIC`` counts them)."""
         self.sent_bytes += sum(like.numel() * like.element_size() for _, like in shapes_like)
         if self._op >= self.max_ops:
             raise RuntimeError(f"ReplayComm: {self._op} operations since the last rewind() "

@@ -5,7 +5,7 @@ import uuid
 import torch.distributed as dist
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .validation import check_int
+from ..validation import check_int
 
 
 def launch(fn, nproc: int, *args):

@@ -1,6 +1,6 @@
 """An in-process ring: W threads, one per simulated rank, exchanging tensors through a shared mailbox.
 
-``SimComm`` implements ``comm.Communicator`` (and the hybrid's all-to-all) so the schedules run
+``SimComm`` implements ``base.Communicator`` (and the hybrid's all-to-all) so the schedules run
 unchanged; each rank's arithmetic is exactly what a real rank does (same kernels, same shapes, same
 summation order), only the transport differs. Messages are keyed by (src, dst, operation number),
 so a rank may wait on its posted operations in any order, as a real process group allows.
@@ -17,8 +17,8 @@ import threading
 
 import torch
 
-from .comm import _Done, sum_in_rank_order
-from .hybrid.comm import HybridComm
+from ..hybrid.comm import HybridComm
+from .base import _Done, sum_in_rank_order
 
 _TIMEOUT_S = 600.0
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _world
+from torch.distributed.distributed_c10d import _resolve_process_group, _world
 
 
 def resolve_group(mesh, arg: str = "mesh") -> dist.ProcessGroup:
@@ -62,6 +62,18 @@ class SequenceMesh(NamedTuple):
     @property
     def check_group(self) -> dist.ProcessGroup:
         return self.outer if self.whole is None else self.whole
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        """The groups by name, as the custom ops take them: the ring's, or on a 2-D mesh the
+        ring's, the all-to-all's and the whole mesh's."""
+        groups = (self.outer,) if self.inner is None else (self.outer, self.inner, self.whole)
+        return tuple(group.group_name for group in groups)
+
+    @classmethod
+    def named(cls, *group_names: str) -> "SequenceMesh":
+        """The mesh of ``group_names`` (``group_names`` read back)."""
+        return cls(*map(_resolve_process_group, group_names))
 
 
 def resolve_mesh(mesh, arg: str = "mesh") -> SequenceMesh:

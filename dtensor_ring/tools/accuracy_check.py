@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .attention import ring_attention
+from ..attention import ring_attention
+from ..schedules import SCHEDULES
+from ..sharding import shard_sequence
 from .launch import init_from_env, launch
 from .numerics import NAMES, TOLERANCE, attention_and_grads, make_inputs, ratios, sdpa
-from .schedules import SCHEDULES
-from .sharding import shard_sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WRONG_RATIO = 2.0

@@ -1,6 +1,6 @@
 """Numerics report: error against float64 vs the number of simulated ranks, per schedule and precision.
 
-    python -m dtensor_ring.numerics_report --seq 1024 --heads 4 --kv-heads 2 --head-dim 64 \\
+    python -m dtensor_ring.tools.numerics_report --seq 1024 --heads 4 --kv-heads 2 --head-dim 64 \\
         --out report_dir [--device cuda] [--max-world 64] [--dtype bfloat16] [--no-causal]
 
 For each input kind — ``normal`` (N(0,1)) and ``outliers`` (the FlashAttention-3 paper's hard case:
@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .attention import simulate_ring
+from ..attention import simulate_ring
+from ..schedules import SCHEDULES
+from ..validation import PRECISIONS
 from .numerics import NAMES, errors, fwd_bwd
-from .schedules import SCHEDULES
-from .validation import PRECISIONS
 
 INPUT_KINDS = ("normal", "outliers")
 
@@ -121,7 +121,7 @@ def markdown(rows, config):
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m dtensor_ring.numerics_report")
+    parser = argparse.ArgumentParser(prog="python -m dtensor_ring.tools.numerics_report")
     parser.add_argument("--seq", type=int, default=1024, help="global sequence length")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     except ImportError:
         triton_version = None
     device = torch.device(args.device)
-    config = dict(command="python -m dtensor_ring.numerics_report " + " ".join(argv),
+    config = dict(command="python -m dtensor_ring.tools.numerics_report " + " ".join(argv),
                   torch=torch.__version__, triton=triton_version,
                   python=platform.python_version(),
                   device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"

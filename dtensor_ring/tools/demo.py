@@ -39,14 +39,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from .comm import _all_gather_tensor
-from .documents import IGNORE_INDEX
-from .dtensor import ContextParallel
+from ..comm.process_group import _all_gather_tensor
+from ..documents import IGNORE_INDEX
+from ..dtensor import ContextParallel
+from ..models import Llama, LlamaConfig
+from ..schedules import SCHEDULES
+from ..validation import check_int
 from .launch import init_from_env, launch
-from .models import Llama, LlamaConfig
 from .numerics import rel_rms
-from .schedules import SCHEDULES
-from .validation import check_int
 
 LOSS_TOLERANCE = 1e-5  # |loss_cp - loss_1| / loss_1, worst step
 GRAD_TOLERANCE = 1e-5  # ||g_cp - g_1|| / ||g_1|| over all parameters (rel-RMS), worst step

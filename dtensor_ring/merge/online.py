@@ -17,7 +17,7 @@ fp32 sums of the forward's first block and of the backward's gradients. ``merge_
 ``sum_many_`` merge or add several results in one pass (the forward's W <= 4 blocks, the ring
 backward's own dK/dV with the accumulator that came home).
 
-Implementations, one per device kind (``FP32_OPS``): on CUDA Triton kernels (``triton_merge.py``:
+Implementations, one per device kind (``FP32_OPS``): on CUDA Triton kernels (``fused.py``:
 each one pass over its tensors; PyTorch's merge is ~8 elementwise kernels, and its 16-bit -> fp32
 copy and add take the slower mixed-dtype path), elsewhere torch ops. Traced code (the compile
 pass's ``make_fx``) takes the torch ops on any device: inductor fuses them itself.
@@ -28,7 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from .merge_slots import MAX_BLOCKS, MAX_PARTS
+from .slots import MAX_BLOCKS, MAX_PARTS
 
 
 class TorchFp32:
@@ -36,7 +36,7 @@ class TorchFp32:
 
     @staticmethod
     def merge_(out, lse, block_out, block_lse):
-        # sigmoid / logsigmoid in the form of triton_merge.merge_rows: a side at -inf (a row that
+        # sigmoid / logsigmoid in the form of fused.merge_rows: a side at -inf (a row that
         # saw no key there) gives weight 0 or 1 and leaves the other side's lse, with no inf - inf;
         # both at -inf stay there (out 0)
         diff = torch.where(lse == block_lse, 0.0, lse - block_lse)
@@ -66,32 +66,32 @@ class TorchFp32:
 
 
 class TritonFp32:
-    """One Triton kernel per call (``triton_merge.py``), on CUDA tensors (or CPU under
+    """One Triton kernel per call (``fused.py``), on CUDA tensors (or CPU under
     TRITON_INTERPRET=1, in the tests)."""
 
     @staticmethod
     def merge_(out, lse, block_out, block_lse):
-        from . import triton_merge  # noqa: PLC0415 - triton is optional
+        from . import fused  # noqa: PLC0415 - triton is optional
 
-        triton_merge.merge_(out, lse, block_out, block_lse)
+        fused.merge_(out, lse, block_out, block_lse)
 
     @staticmethod
     def merge_many_(target, target_lse, first, first_lse, blocks):
-        from . import triton_merge  # noqa: PLC0415
+        from . import fused  # noqa: PLC0415
 
-        triton_merge.merge_many_(target, target_lse, first, first_lse, blocks)
+        fused.merge_many_(target, target_lse, first, first_lse, blocks)
 
     @staticmethod
     def accumulate_(acc, x, add):
-        from . import triton_merge  # noqa: PLC0415
+        from . import fused  # noqa: PLC0415
 
-        triton_merge.accumulate_(acc, x, add)
+        fused.accumulate_(acc, x, add)
 
     @staticmethod
     def sum_many_(target, parts):
-        from . import triton_merge  # noqa: PLC0415
+        from . import fused  # noqa: PLC0415
 
-        triton_merge.sum_many_(target, parts)
+        fused.sum_many_(target, parts)
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -1,4 +1,4 @@
-"""The fp32 merge and accumulation of ``merge.py`` as Triton kernels: one pass over each tensor.
+"""The fp32 merge and accumulation of ``online.py`` as Triton kernels: one pass over each tensor.
 
 ``_merge_many``: target = first merged with up to three blocks in turn, each block the result for
 rows [r0, r1) of first (rows outside it are left as they are by it):
@@ -36,7 +36,7 @@ Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use that)
 import triton
 import triton.language as tl
 
-from .merge_slots import MAX_BLOCKS, MAX_PARTS  # the slots of _merge_many and _sum_many
+from .slots import MAX_BLOCKS, MAX_PARTS  # the slots of _merge_many and _sum_many
 
 BLOCK_M = 32
 
@@ -143,7 +143,7 @@ def _grid(tensor):
 
 
 def merge_(out, lse, block_out, block_lse) -> None:
-    """``merge.merge_``: the block merged in place over every row of ``out``."""
+    """``online.merge_``: the block merged in place over every row of ``out``."""
     merge_many_(out, lse, out, lse, [(block_out, block_lse, slice(0, out.shape[2]))])
 
 
@@ -159,7 +159,7 @@ def _slots(entries, capacity, seq):
 
 
 def merge_many_(target, target_lse, first, first_lse, blocks) -> None:
-    """``merge.merge_many_`` in one kernel launch (1 to MAX_BLOCKS blocks)."""
+    """``online.merge_many_`` in one kernel launch (1 to MAX_BLOCKS blocks)."""
     grid, meta = _grid(target)
     tensors, args = _slots(blocks, MAX_BLOCKS, first.shape[2])
     _merge_many[grid](target, target_lse, first, first_lse, *tensors, *target.stride(),
@@ -168,7 +168,7 @@ def merge_many_(target, target_lse, first, first_lse, blocks) -> None:
 
 
 def sum_many_(target, parts) -> None:
-    """``merge.sum_many_`` in one kernel launch (1 to MAX_PARTS parts)."""
+    """``online.sum_many_`` in one kernel launch (1 to MAX_PARTS parts)."""
     grid, meta = _grid(target)
     tensors, args = _slots(parts, MAX_PARTS, target.shape[2])
     _sum_many[grid](target, *tensors, *target.stride(), *args, *target.shape[1:],
@@ -176,6 +176,6 @@ def sum_many_(target, parts) -> None:
 
 
 def accumulate_(acc, x, add: bool) -> None:
-    """``merge.accumulate_`` in one kernel launch."""
+    """``online.accumulate_`` in one kernel launch."""
     every = slice(0, acc.shape[2])
     sum_many_(acc, [(acc, every), (x, every)] if add else [(x, every)])
