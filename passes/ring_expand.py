@@ -163,8 +163,43 @@ def expand_ring_attention(graph: torch.fx.Graph) -> int:
             # A ring forward in a backward graph: activation checkpointing's recompute, which
             # communicates again (zero under dr.save_ring_attention_context).
             COUNTERS["recomputed_ring_attention_fwd"] += 1
+    _order_waits(graph)
     graph.lint()
     return len(nodes)
+
+
+_POST = torch.ops.dtensor_ring.post_exchange.default
+_WAIT = torch.ops.dtensor_ring.wait_exchange.default
+
+
+def _is_attention(node) -> bool:
+    """An attention kernel's node: aten's SDPA and flash ops (not our own ops)."""
+    name = str(node.target)
+    return node.op == "call_function" and "dtensor_ring" not in name and any(
+        word in name for word in ("scaled_dot_product", "flash", "attention"))
+
+
+def _order_waits(graph: torch.fx.Graph) -> None:
+    """Each wait after the last post and the last attention kernel before it in graph order (the
+    schedule's order, as eager runs it), through ``wait_exchange``'s ``after_post`` and
+    ``after_kernel``: inductor would
+    otherwise hoist waits above the blocks they were posted to overlap (``comm/traced.py``). The
+    kernel counts only where it comes after the wait's own post: it is what overlaps it. A
+    kernel is represented by its first output read (a tensor node)."""
+    position, last_post, last_kernel = {}, None, None
+    for i, node in enumerate(graph.nodes):
+        position[node] = i
+        if node.target is _POST:
+            last_post = node
+        elif (node.target is operator.getitem and _is_attention(node.args[0])
+              and (last_kernel is None or last_kernel.args[0] is not node.args[0])):
+            last_kernel = node
+        elif node.target is _WAIT:
+            posted = node.args[0]
+            if last_post is not posted:
+                node.update_kwarg("after_post", last_post)
+            if last_kernel is not None and position[last_kernel] > position[posted]:
+                node.update_kwarg("after_kernel", last_kernel)
 
 
 class RingExpandPass(CustomGraphPass):

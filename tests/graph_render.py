@@ -2,8 +2,10 @@
 
 * ``check_exchanges``: what every expansion must hold -- on each process group the posts chained
   in graph order (each takes the previous one's handle: inductor cannot reorder them), every post
-  waited on exactly once, and its wait holding the tensors sent (their last use: no buffer reuse
-  while in flight).
+  waited on exactly once, its wait holding the tensors sent (their last use: no buffer reuse
+  while in flight) and, as dependencies that keep inductor from hoisting it, the last post before
+  it in graph order where that is another (``after_post``) and the output of the last attention
+  kernel between its post and it, if any (``after_kernel``).
 * ``render``: the whole graph, one line per exchange posted (its kind, the shapes sent), wait (the
   shapes received) and attention kernel (query and key shapes, its mask), in graph order; each
   line ends with the number of other ops (merges, slicing, casts) that follow it. Pins which
@@ -14,6 +16,7 @@
   all ops; ``count_table``: one row of them per graph.
 """
 import collections
+import operator
 
 import torch
 
@@ -63,19 +66,33 @@ def check_exchanges(graph: torch.fx.Graph) -> list:
     """Raise AssertionError where an exchange breaks the rules above; return (post, wait) pairs
     in the order posted."""
     last, pairs = {}, []  # group name -> its last post so far
-    for node in graph.nodes:
+    latest, output, position = None, None, {}  # the last post; the last kernel's first output
+    for i, node in enumerate(graph.nodes):
+        position[node] = i
+        if (node.target is operator.getitem and is_kernel(node.args[0])
+                and (output is None or output.args[0] is not node.args[0])):
+            output = node
         if node.target is WAIT:
-            assert node.args[0].target is POST, f"{node} waits on {node.args[0]}, not a post"
+            posted = node.args[0]
+            assert posted.target is POST, f"{node} waits on {posted}, not a post"
+            want = None if latest is posted else latest
+            assert _arg(node, "after_post") is want, (
+                f"{node} waits after {_arg(node, 'after_post')}, not after {want}, the last post")
+            want = output if output is not None and position[output] > position[posted] else None
+            assert _arg(node, "after_kernel") is want, (
+                f"{node} waits after kernel {_arg(node, 'after_kernel')}, not after {want}")
         if node.target is not POST:
             continue
+        latest = node
         group = _arg(node, "group_name")
         assert node.args[1] is last.get(group), (
             f"{node} is not chained after {last.get(group)}, the last post on group {group}")
         last[group] = node
-        waits = [u for u in node.users if u.target is WAIT]
+        waits = [u for u in node.users if u.target is WAIT and u.args[0] is node]
         assert len(waits) == 1, f"{node} is waited on {len(waits)} times"
         others = [u for u in node.users
-                  if u.target is not WAIT and not (u.target is POST and u.args[1] is node)]
+                  if not (u.target is WAIT and (u.args[0] is node or _arg(u, "after_post") is node))
+                  and not (u.target is POST and u.args[1] is node)]
         assert not others, f"{node}'s handle used by {others}"
         (wait,) = waits
         assert wait.args[2] == node.args[2], f"{wait} waits a {wait.args[2]}, not {node.args[2]}"

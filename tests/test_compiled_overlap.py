@@ -73,6 +73,36 @@ def test_every_exchange_overlaps_attention_in_the_compiled_code(mesh, schedule):
                         ["all_gather", "all_gather", "reduce_scatter"]), unhidden
 
 
+@pytest.fixture
+def top_left_causal_only(monkeypatch):
+    """The CPU kernel as cuDNN is on the GPU: causal only from the top left (no bottom-right
+    mask), which sends causal llama3 to its ``_OwnThenOthers`` plan. The pass's output depends on
+    it, so inductor's caches are off meanwhile."""
+    from dtensor_ring.kernels import get_kernel  # noqa: PLC0415
+    from dtensor_ring.kernels.base import CAUSAL, NONE  # noqa: PLC0415
+    kernel = get_kernel("auto", torch.device("cpu"), torch.bfloat16, 16, "fp32", False, False)
+    monkeypatch.setattr(kernel, "masks", (NONE, CAUSAL))
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+
+
+def test_llama3_with_a_top_left_causal_kernel_overlaps_as_eagerly(mesh, top_left_causal_only):
+    """llama3's plan on cuDNN (the own block first, all heads, while the first group is
+    gathered): every gather and every reduce-scatter but the last overlaps attention, as in the
+    eager schedule. Inductor once sank each group's dK/dV (and so its reduce-scatter's post)
+    below the next group's blocks and waited on it at once."""
+    def step(q, k, v):
+        out = dr.ring_attention(q, k, v, mesh=mesh, schedule="llama3", is_causal=True)
+        out.float().sum().backward()
+
+    q, k, v = (torch.randn(1, h, 64, 16, dtype=torch.bfloat16, requires_grad=True)
+               for h in (4, 2, 2))
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(step), q, k, v)
+    code = "\n".join(codes)
+    assert len(re.findall(r"post_exchange\.default\(", code)) == 6, code
+    assert exchanges_without_overlap(code) == ["reduce_scatter"], code
+
+
 def test_a_wait_before_the_compute_is_found():
     """The check itself: an exchange whose wait comes before the step's kernel is reported."""
     overlapped = """

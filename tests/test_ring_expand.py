@@ -274,9 +274,12 @@ hybrid causal bwd          all_to_all@a2a 18, send_recv_next@ring 4 4160      13
         later.update_arg(1, post.args[1])
         graph.erase_node(post)
         self.assertEqual(counts(graph)["exchanges"], {"send_recv_next": 2})
-        graph = fresh()  # a wait moved up to its post: the exchange overlaps nothing
+        graph = fresh()  # a wait moved up to its post, above the kernel it must follow
         post, wait = check_exchanges(graph)[0]
         post.append(wait)
+        with self.assertRaisesRegex(AssertionError, "waits after kernel"):
+            counts(graph)
+        wait.update_kwarg("after_kernel", None)  # and that dependency dropped: it overlaps nothing
         self.assertEqual(counts(graph)["overlapped"], 2)
         # another schedule with the same exchanges: stripe's blocks
         self.assertNotEqual(counts(*expanded("stripe", True, False)), pinned)

@@ -2,7 +2,8 @@
 of custom ops around the eager one,
 
     handle   = dtensor_ring::post_exchange(tensors, after, kind, group_name)  # posts it at once
-    received = dtensor_ring::wait_exchange(handle, tensors, kind, world_size) # its result
+    received = dtensor_ring::wait_exchange(handle, tensors, kind, world_size, recv_sizes,
+                                           after_post, after_kernel)   # its result
 
 ``kind`` names the ``ProcessGroupComm`` operation run inside ("send_recv_next", "send_recv",
 "all_gather", "reduce_scatter", and the hybrid's "all_to_all"; "send_recv", the sliding-window
@@ -27,6 +28,14 @@ What inductor must not do, and how it is kept from it:
   each rank's graph (other blocks on every rank) on its own: on real GPU ranks that gave wrong
   dK/dV (zigzag) and NaN (llama3). Each post takes the previous one's handle (``after``; the pass
   threads it through every ring node of a graph), a data dependency that fixes their order.
+* Move a wait above the compute, or the post, that the schedule put before it. Inductor places
+  a node anywhere its inputs allow, and its peak-memory reordering hoisted waits: in llama3's
+  backward (the plan for kernels without a bottom-right causal mask, as cuDNN) each head group's
+  reduce-scatter was posted below the next group's blocks and waited on at once, nothing
+  overlapped. ``wait_exchange`` takes ``after_post`` and ``after_kernel`` only as dependencies:
+  the pass hands it the last post and the last attention kernel's output before the wait in graph
+  order
+  (``passes/ring_expand.py``, ``_order_waits``).
 * Reuse a buffer being sent. Inductor plans the reuse of a buffer from its last use in the graph;
   the transfer reads it until the wait. ``wait_exchange`` takes the sent tensors too, only to be
   their last use. Both ops are ``flexible_layout``: under inductor's default constraint (the
@@ -82,7 +91,9 @@ def _(tensors, after, kind, group_name, offset=0, recv_sizes=None):
 
 @torch.library.custom_op("dtensor_ring::wait_exchange", mutates_args=(), tags=_TAGS)
 def wait_exchange(handle: torch.Tensor, tensors: list[torch.Tensor], kind: str,
-                  world_size: int, recv_sizes: Optional[list[int]] = None) -> list[torch.Tensor]:
+                  world_size: int, recv_sizes: Optional[list[int]] = None,
+                  after_post: Optional[torch.Tensor] = None,
+                  after_kernel: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     exchange = getattr(handle, _IN_FLIGHT, None)
     if exchange is None:
         raise RuntimeError("dtensor_ring::wait_exchange was handed a tensor that "
@@ -93,7 +104,7 @@ def wait_exchange(handle: torch.Tensor, tensors: list[torch.Tensor], kind: str,
 
 
 @wait_exchange.register_fake
-def _(handle, tensors, kind, world_size, recv_sizes=None):
+def _(handle, tensors, kind, world_size, recv_sizes=None, after_post=None, after_kernel=None):
     if kind == "send_recv_next":
         return [t.new_empty(t.shape) for t in tensors]  # contiguous, as they are received
     if kind == "send_recv":
