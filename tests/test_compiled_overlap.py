@@ -18,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import dtensor_ring as dr
 
 _POST = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.post_exchange\.default\(.*"
-                   r"'(send_recv_next|all_gather|reduce_scatter)', '[^']*'\)$")
+                   r"'(send_recv_next|send_recv|all_gather|reduce_scatter)', '[^']*'(, .*)?\)$")
 _WAIT = re.compile(r"torch\.ops\.dtensor_ring\.wait_exchange\.default\((\w+),")
 _ALIAS = re.compile(r"^(\w+) = (\w+)$")
 _ATTENTION = re.compile(r"torch\.ops\.aten\._scaled_dot_product\w*attention")
@@ -82,7 +82,8 @@ def top_left_causal_only(monkeypatch):
     from dtensor_ring.kernels.base import CAUSAL, NONE  # noqa: PLC0415
     kernel = get_kernel("auto", torch.device("cpu"), torch.bfloat16, 16, "fp32", False, False)
     monkeypatch.setattr(kernel, "masks", (NONE, CAUSAL))
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
 
 
 def test_llama3_with_a_top_left_causal_kernel_overlaps_as_eagerly(mesh, top_left_causal_only):
@@ -101,6 +102,24 @@ def test_llama3_with_a_top_left_causal_kernel_overlaps_as_eagerly(mesh, top_left
     code = "\n".join(codes)
     assert len(re.findall(r"post_exchange\.default\(", code)) == 6, code
     assert exchanges_without_overlap(code) == ["reduce_scatter"], code
+
+
+def test_windowed_zigzag_overlaps_every_exchange(mesh):
+    """zigzag with a sliding window (``schedules/windowed.py``: one send_recv per offset within
+    reach, K/V forward, K/V and dK/dV backward): every exchange overlaps attention. Before waits
+    took their kernel as a dependency, inductor hoisted all six of the backward's."""
+    def step(q, k, v):
+        out = dr.ring_attention(q, k, v, mesh=mesh, schedule="zigzag", is_causal=True,
+                                window=(47, 0))
+        out.float().sum().backward()
+
+    q, k, v = (torch.randn(1, h, 64, 16, dtype=torch.bfloat16, requires_grad=True)
+               for h in (4, 2, 2))
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(step), q, k, v)
+    code = "\n".join(codes)
+    assert len(re.findall(r"post_exchange\.default\(", code)) == 9, code
+    assert exchanges_without_overlap(code) == [], code
 
 
 def test_a_wait_before_the_compute_is_found():
