@@ -51,16 +51,23 @@ def mesh():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("schedule", ["zigzag", "llama3"])
-def test_every_exchange_overlaps_attention_in_the_compiled_code(mesh, schedule):
+def compiled_code(mesh, schedule, dtype=torch.float32, window=None) -> str:
+    """Inductor's code for ``schedule``'s causal forward+backward, rank 1 of the fake 4-rank
+    ``mesh``, 64 tokens a rank, 4/2 heads of 16."""
     def step(q, k, v):
-        out = dr.ring_attention(q, k, v, mesh=mesh, schedule=schedule, is_causal=True)
+        out = dr.ring_attention(q, k, v, mesh=mesh, schedule=schedule, is_causal=True,
+                                window=window)
         out.float().sum().backward()
 
-    q, k, v = (torch.randn(1, h, 64, 16, requires_grad=True) for h in (4, 2, 2))
+    q, k, v = (torch.randn(1, h, 64, 16, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
     torch._dynamo.reset()
     _, codes = run_and_get_code(torch.compile(step), q, k, v)
-    code = "\n".join(codes)
+    return "\n".join(codes)
+
+
+@pytest.mark.parametrize("schedule", ["zigzag", "llama3"])
+def test_every_exchange_overlaps_attention_in_the_compiled_code(mesh, schedule):
+    code = compiled_code(mesh, schedule)
     posts = len(re.findall(r"post_exchange\.default\(", code))
     # zigzag: 3 K/V shifts forward, 3 K/V + 3 dK/dV backward, each overlapping a step's blocks.
     # llama3: 2 head groups' gathers forward, 2 gathers + 2 reduce-scatters backward; as eagerly,
@@ -91,15 +98,7 @@ def test_llama3_with_a_top_left_causal_kernel_overlaps_as_eagerly(mesh, top_left
     gathered): every gather and every reduce-scatter but the last overlaps attention, as in the
     eager schedule. Inductor once sank each group's dK/dV (and so its reduce-scatter's post)
     below the next group's blocks and waited on it at once."""
-    def step(q, k, v):
-        out = dr.ring_attention(q, k, v, mesh=mesh, schedule="llama3", is_causal=True)
-        out.float().sum().backward()
-
-    q, k, v = (torch.randn(1, h, 64, 16, dtype=torch.bfloat16, requires_grad=True)
-               for h in (4, 2, 2))
-    torch._dynamo.reset()
-    _, codes = run_and_get_code(torch.compile(step), q, k, v)
-    code = "\n".join(codes)
+    code = compiled_code(mesh, "llama3", torch.bfloat16)
     assert len(re.findall(r"post_exchange\.default\(", code)) == 6, code
     assert exchanges_without_overlap(code) == ["reduce_scatter"], code
 
@@ -108,16 +107,7 @@ def test_windowed_zigzag_overlaps_every_exchange(mesh):
     """zigzag with a sliding window (``schedules/windowed.py``: one send_recv per offset within
     reach, K/V forward, K/V and dK/dV backward): every exchange overlaps attention. Before waits
     took their kernel as a dependency, inductor hoisted all six of the backward's."""
-    def step(q, k, v):
-        out = dr.ring_attention(q, k, v, mesh=mesh, schedule="zigzag", is_causal=True,
-                                window=(47, 0))
-        out.float().sum().backward()
-
-    q, k, v = (torch.randn(1, h, 64, 16, dtype=torch.bfloat16, requires_grad=True)
-               for h in (4, 2, 2))
-    torch._dynamo.reset()
-    _, codes = run_and_get_code(torch.compile(step), q, k, v)
-    code = "\n".join(codes)
+    code = compiled_code(mesh, "zigzag", torch.bfloat16, window=(47, 0))
     assert len(re.findall(r"post_exchange\.default\(", code)) == 9, code
     assert exchanges_without_overlap(code) == [], code
 
