@@ -4,6 +4,9 @@
 calls ``fn(mesh, *args)`` on every rank. An exception on any rank fails the test with that rank's
 traceback; every rank asserts for itself. ``fn`` must be a module-level function (it is pickled).
 
+``run_on_gpus(W, fn, *args)`` is the same on W GPUs of this machine with an NCCL process group
+(one GPU a process): ``fn(rank, W, *args)``.
+
 ``mesh_shape=(2, 2), mesh_dim_names=("tp", "cp")`` builds an N-D mesh instead (the product must be
 W). A collective that one rank never joins fails after ``timeout_s`` rather than hanging.
 
@@ -13,6 +16,7 @@ can be taken by another test's ranks before ours bind it (seen with ``pytest -n 
 """
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import traceback
@@ -49,3 +53,23 @@ def run_on_ranks(world_size: int, fn, *args, mesh_shape=None, mesh_dim_names=Non
                            nprocs=world_size, start_method="spawn")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_on_gpus(world_size: int, fn, *args) -> None:
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes, one GPU each, with NCCL."""
+    with socket.socket() as s:  # a free port for the ranks to meet at
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_gpu_worker, args=(world_size, port, fn, args), nprocs=world_size,
+                       start_method="spawn")
+
+
+def _gpu_worker(rank, world_size, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                            device_id=torch.device("cuda", rank))
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -23,8 +23,6 @@ sequence runs too: PyTorch's ``context_parallel`` forward+backward, then ours on
 """
 import concurrent.futures
 import multiprocessing
-import os
-import socket
 
 import pytest
 import torch
@@ -37,6 +35,7 @@ from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, make
                                          rel_rms, sdpa)
 from dtensor_ring.comm.simulated import SimWorld
 from dtensor_ring.schedules import get_schedule
+from dist_utils import run_on_gpus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN needs a GPU")
 
@@ -252,47 +251,32 @@ def _torch_context_parallel(mesh, inputs):
     torch.cuda.synchronize()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _after_torch_context_parallel(rank, world, port):
+def _after_torch_context_parallel(rank, world):
     """The issue's sequence on real ranks: PyTorch's context_parallel, then ours."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
-        mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (world,))
-        seq = 2048 * world
-        q, k, v, dout = (x.cuda() for x in make_inputs(1, 8, 8, seq, 128))
-        bf16 = [x.bfloat16() for x in (q, k, v, dout)]
-        _torch_context_parallel(mesh, bf16)
-        reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
-        single = attention_and_grads(sdpa(True), q, k, v, dout, torch.bfloat16)
-        for schedule in sorted(dr.SCHEDULES):
-            layout = dr.SCHEDULE_LAYOUT[schedule]
-            runs = [("fp32", False), ("exact", False)] + (  # compiles: two schedules
-                [("fp32", True)] if schedule in ("zigzag", "llama3") else [])
-            for precision, compile_it in runs:
-                def ring(a, b, c, schedule=schedule, precision=precision):
-                    return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule,
-                                             is_causal=True, precision=precision)
-                fn = torch.compile(ring, fullgraph=True) if compile_it else ring
-                shards = [dr.shard_sequence(x, mesh, dim=2, layout=layout) for x in bf16]
-                got = [dr.unshard_sequence(x.contiguous(), mesh, dim=2, layout=layout)
-                       for x in attention_and_grads(fn, *shards, torch.bfloat16)]
-                check_ratios(ratios(got, single, reference), torch.bfloat16,
-                             f"rank {rank}: {schedule} {precision} compiled={compile_it}")
-    finally:
-        dist.destroy_process_group()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (world,))
+    seq = 2048 * world
+    q, k, v, dout = (x.cuda() for x in make_inputs(1, 8, 8, seq, 128))
+    bf16 = [x.bfloat16() for x in (q, k, v, dout)]
+    _torch_context_parallel(mesh, bf16)
+    reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
+    single = attention_and_grads(sdpa(True), q, k, v, dout, torch.bfloat16)
+    for schedule in sorted(dr.SCHEDULES):
+        layout = dr.SCHEDULE_LAYOUT[schedule]
+        runs = [("fp32", False), ("exact", False)] + (  # compiles: two schedules
+            [("fp32", True)] if schedule in ("zigzag", "llama3") else [])
+        for precision, compile_it in runs:
+            def ring(a, b, c, schedule=schedule, precision=precision):
+                return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule,
+                                         is_causal=True, precision=precision)
+            fn = torch.compile(ring, fullgraph=True) if compile_it else ring
+            shards = [dr.shard_sequence(x, mesh, dim=2, layout=layout) for x in bf16]
+            got = [dr.unshard_sequence(x.contiguous(), mesh, dim=2, layout=layout)
+                   for x in attention_and_grads(fn, *shards, torch.bfloat16)]
+            check_ratios(ratios(got, single, reference), torch.bfloat16,
+                         f"rank {rank}: {schedule} {precision} compiled={compile_it}")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs several GPUs")
 def test_schedules_after_torch_context_parallel_on_nccl():
     world = min(torch.cuda.device_count(), 4)
-    torch.multiprocessing.start_processes(_after_torch_context_parallel,
-                                          args=(world, _free_port()), nprocs=world,
-                                          start_method="spawn")
+    run_on_gpus(world, _after_torch_context_parallel)
