@@ -182,10 +182,10 @@ def _is_attention(node) -> bool:
 def _order_waits(graph: torch.fx.Graph) -> None:
     """Each wait after the last post and the last attention kernel before it in graph order (the
     schedule's order, as eager runs it), through ``wait_exchange``'s ``after_post`` and
-    ``after_kernel``: inductor would
-    otherwise hoist waits above the blocks they were posted to overlap (``comm/traced.py``). The
-    kernel counts only where it comes after the wait's own post: it is what overlaps it. A
-    kernel is represented by its first output read (a tensor node)."""
+    ``after_kernel``: inductor would otherwise hoist waits above the blocks they were posted to
+    overlap (``comm/traced.py``). The kernel counts only where it comes after the wait's own
+    post: it is what overlaps it. A kernel is represented by its first output read (a tensor
+    node)."""
     position, last_post, last_kernel = {}, None, None
     for i, node in enumerate(graph.nodes):
         position[node] = i

@@ -54,16 +54,16 @@ def peer_copy_ring(group) -> Optional["PeerCopyRing"]:
 def _agreed(group) -> bool:
     """Whether every rank can write into the next rank's memory: CUDA, NCCL, one host, peer
     access both ways round the ring, symmetric memory importable, not switched off."""
-    if dist.get_backend(group) != "nccl" or dist.get_world_size(group) == 1:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if dist.get_backend(group) != "nccl" or world == 1:
         return False
     device = torch.device("cuda", torch.cuda.current_device())
     host = zlib.crc32(socket.gethostname().encode())
     mine = torch.tensor([host, device.index], dtype=torch.int64, device=device)
-    everyone = mine.new_empty(dist.get_world_size(group), 2)
+    everyone = mine.new_empty(world, 2)
     dist.all_gather_into_tensor(everyone, mine, group=group)
     rows = everyone.tolist()
     hosts, devices = {host for host, _ in rows}, [index for _, index in rows]
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     ok = (os.environ.get(ENV, "1") != "0" and len(hosts) == 1 and _symmetric_memory()
           is not None and all(torch.cuda.can_device_access_peer(device.index, devices[peer])
                               for peer in ((rank + 1) % world, (rank - 1) % world)
