@@ -108,3 +108,16 @@ def test_simulate_ring_errors():
         dr.simulate_ring(q, k, v, world_size=8, schedule="llama3")
     with pytest.raises(ValueError, match=r"query.shape\[2\] \(sequence length\)=12 is not divisible by the mesh size 5"):
         dr.simulate_ring(q, k, v, world_size=5, schedule="stripe")
+
+
+@pytest.mark.parametrize("value", ["false", "off", ""])
+def test_bad_peer_copy_switch(monkeypatch, value):
+    from dtensor_ring.comm import peer_copy  # noqa: PLC0415
+    monkeypatch.setenv(peer_copy.ENV, value)
+    with pytest.raises(ValueError, match=rf"DTENSOR_RING_PEER_COPY={value!r} is not valid; "
+                                         r"valid: '0' \(NCCL's send/recv\), '1' \(the copy "
+                                         r"engines \(the default\)\)"):
+        peer_copy.switched_on_by_env()
+    for good, on in (("0", False), ("1", True)):
+        monkeypatch.setenv(peer_copy.ENV, good)
+        assert peer_copy.switched_on_by_env() is on

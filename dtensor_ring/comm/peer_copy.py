@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 ENV = "DTENSOR_RING_PEER_COPY"
+SWITCH = {"0": "NCCL's send/recv", "1": "the copy engines (the default)"}  # ENV's values
 _ALIGN = 256  # bytes: each tensor's place in the arena starts on such a boundary
 
 _RINGS: dict = {}  # process group name -> PeerCopyRing, or None where peer copies are not used
@@ -57,6 +58,7 @@ def _agreed(group) -> bool:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if dist.get_backend(group) != "nccl" or world == 1:
         return False
+    switched_on = switched_on_by_env()  # before any collective: a bad value fails every rank
     device = torch.device("cuda", torch.cuda.current_device())
     host = zlib.crc32(socket.gethostname().encode())
     mine = torch.tensor([host, device.index], dtype=torch.int64, device=device)
@@ -64,13 +66,26 @@ def _agreed(group) -> bool:
     dist.all_gather_into_tensor(everyone, mine, group=group)
     rows = everyone.tolist()
     hosts, devices = {host for host, _ in rows}, [index for _, index in rows]
-    ok = (os.environ.get(ENV, "1") != "0" and len(hosts) == 1 and _symmetric_memory()
+    ok = (switched_on and len(hosts) == 1 and _symmetric_memory()
           is not None and all(torch.cuda.can_device_access_peer(device.index, devices[peer])
                               for peer in ((rank + 1) % world, (rank - 1) % world)
                               if devices[peer] != device.index))
     flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def switched_on_by_env() -> bool:
+    """``DTENSOR_RING_PEER_COPY``: "1" (or unset) lets the copy engines shift, "0" keeps NCCL.
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = os.environ.get(ENV, "1")
+    if value not in SWITCH:
+        raise ValueError(f"{ENV}={value!r} is not valid; valid: "
+                         + ", ".join(f"{v!r} ({what})" for v, what in SWITCH.items()))
+    return value == "1"
 
 
 def _symmetric_memory():
