@@ -113,6 +113,7 @@ class PeerCopyRing:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.stream = torch.cuda.Stream(priority=-1)
         self.arena, self.handle = None, None
+        self._plans: dict = {}  # message shape -> _plan's views
 
     def _reserve(self, nbytes: int, device) -> None:
         """An arena of at least ``nbytes`` (collective: every rank asks for the same size)."""
@@ -124,30 +125,39 @@ class PeerCopyRing:
             if hasattr(symm_mem, "enable_symm_mem_for_group"):
                 symm_mem.enable_symm_mem_for_group(self.group_name)
         self.stream.synchronize()  # the old arena is idle before it is let go
+        self._plans.clear()
         self.arena = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.arena, self.group_name)
 
-    def _places(self, rank, tensors, offsets):
-        return [self.handle.get_buffer(rank, list(t.shape), t.dtype, offset // t.element_size())
-                for t, offset in zip(tensors, offsets)]
+    def _plan(self, tensors) -> tuple[list, list]:
+        """Where ``tensors`` go in the arena: (views of rank+1's arena, views of this rank's),
+        made once per message shape (a call posts several; making views costs host time)."""
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        plan = self._plans.get(key)
+        if plan is None:
+            offsets, total = [], 0
+            for t in tensors:
+                offsets.append(total)
+                total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            self._reserve(total, tensors[0].device)  # a new arena drops the plans
+            plan = self._plans[key] = tuple(
+                [self.handle.get_buffer(rank, list(t.shape), t.dtype, offset // t.element_size())
+                 for t, offset in zip(tensors, offsets)]
+                for rank in ((self.rank + 1) % self.world_size, self.rank))
+        return plan
 
     def send_recv_next(self, tensors: list[torch.Tensor]) -> _Landed:
         """``Communicator.send_recv_next``: ``tensors`` (contiguous, on this rank's GPU) to rank+1;
         ``wait()`` gives those of rank-1, fresh tensors of the same shapes."""
-        offsets, total = [], 0
-        for t in tensors:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        self._reserve(total, tensors[0].device)
+        theirs, mine = self._plan(tensors)
         received = [torch.empty_like(t) for t in tensors]
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             self.handle.barrier(channel=0)
-            nxt = (self.rank + 1) % self.world_size
-            for place, t in zip(self._places(nxt, tensors, offsets), tensors):
+            for place, t in zip(theirs, tensors):
                 place.copy_(t)
             self.handle.barrier(channel=1)
-            for r, place in zip(received, self._places(self.rank, tensors, offsets)):
+            for r, place in zip(received, mine):
                 r.copy_(place)
             landed = torch.cuda.Event()
             landed.record(self.stream)

@@ -129,3 +129,19 @@ class ProcessGroupComm:
         received = torch.empty_like(tensor)
         work = dist.all_to_all_single(received, tensor, group=self.group, async_op=True)
         return _Works([work], received, sum_in_rank_order)
+
+
+def comm_of(group) -> ProcessGroupComm:
+    """The ``ProcessGroupComm`` of ``group``, made once per group (it holds nothing but the group
+    and its ranks): a call posts several exchanges, and asking the group for its ranks each time
+    costs host time before the first kernel (docs/design.md, "Host time of an eager call")."""
+    comm = _COMMS.get(group)
+    if comm is None:
+        if len(_COMMS) >= 64:  # groups destroyed and made anew (tests) do not pile up
+            _COMMS.clear()
+        comm = _COMMS[group] = ProcessGroupComm(group)
+    return comm
+
+
+_COMMS: dict = {}  # process group -> its ProcessGroupComm
+

@@ -51,7 +51,7 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .base import _Done
-from .process_group import ProcessGroupComm
+from .process_group import comm_of
 
 KINDS = ("send_recv_next", "send_recv", "all_gather", "reduce_scatter",
          "all_to_all")  # ProcessGroupComm's
@@ -74,7 +74,7 @@ def _shapes(recv_sizes, tensors) -> list[list[int]]:
 def post_exchange(tensors: list[torch.Tensor], after: Optional[torch.Tensor], kind: str,
                   group_name: str, offset: int = 0,
                   recv_sizes: Optional[list[int]] = None) -> torch.Tensor:
-    operation = getattr(ProcessGroupComm(_resolve_process_group(group_name)), kind)
+    operation = getattr(comm_of(_resolve_process_group(group_name)), kind)
     handle = tensors[0].new_empty(0)
     if kind == "send_recv":
         posted = operation(offset, tensors, _shapes(recv_sizes, tensors))

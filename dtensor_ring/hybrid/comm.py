@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..comm import Communicator, Pending, ProcessGroupComm
+from ..comm import Communicator, Pending
+from ..comm.process_group import comm_of
 from ..comm.mesh import SequenceMesh
 from ..comm.traced import TracedComm
 
@@ -40,8 +41,8 @@ class HybridComm(NamedTuple):
 def process_group_comm(mesh: SequenceMesh):
     """The eager communicator of a call on ``mesh``: the ring's, or on a 2-D mesh the hybrid's."""
     if mesh.inner is None:
-        return ProcessGroupComm(mesh.outer)
-    return HybridComm(ProcessGroupComm(mesh.outer), ProcessGroupComm(mesh.inner))
+        return comm_of(mesh.outer)
+    return HybridComm(comm_of(mesh.outer), comm_of(mesh.inner))
 
 
 def traced_comms(group_names, after):
