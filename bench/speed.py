@@ -67,6 +67,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -85,7 +86,7 @@ from dtensor_ring.tools.numerics import NAMES, errors, fwd_bwd
 from mixes import placed_mix
 from report import describe, versions, write_json
 from speed_plot import fmt_row, plot, print_table
-from timing import local_median_ms
+from timing import local_median_ms, steady_times
 
 # The real SDPA, taken before anything can patch it: PyTorch's context_parallel replaces
 # F.scaled_dot_product_attention while it is active (and on torch 2.11 does not put it back if its
@@ -517,7 +518,7 @@ class Runner:
                 error = describe(exc)
             error, _ = self.agree(error)
         if error is None:
-            fwd_ms = fb_ms = mem = peak = 0.0
+            fwd_ms = fb_ms = mem = peak = st_fwd_ms = st_fb_ms = 0.0
             try:
                 self.clean()
                 if cuda:
@@ -529,14 +530,19 @@ class Runner:
                 if cuda:
                     peak = torch.cuda.max_memory_allocated()
                     mem = peak - base
+                    st_fwd_ms, st_fb_ms = (steady_ms(fn, a.iters) for fn in (forward,
+                                                                            forward_backward))
             except Exception as exc:  # noqa: BLE001
                 error = describe(exc)
-            error, (fwd_ms, fb_ms, mem, peak) = self.agree(error, fwd_ms, fb_ms, mem, peak)
+            error, (fwd_ms, fb_ms, mem, peak, st_fwd_ms, st_fb_ms) = self.agree(
+                error, fwd_ms, fb_ms, mem, peak, st_fwd_ms, st_fb_ms)
             if error is None:
                 scale = ctx.world if method.kind == "ideal" else 1
                 row.update(fwd_ms=fwd_ms / scale, fwd_bwd_ms=fb_ms / scale,
                            mem_gib=mem / 2**30 if cuda else None,
                            peak_gib=peak / 2**30 if cuda else None)
+                if cuda:
+                    row.update(steady_fwd_ms=st_fwd_ms / scale, steady_fwd_bwd_ms=st_fb_ms / scale)
                 if method.kind == "ours":
                     row["sent_mib"] = self.sent_mib(forward_backward)
                 if acc is not None:
@@ -638,6 +644,10 @@ def sweep(args, mesh, device, info, mesh_2d=None):
                 row["ideal"] = ideal["method"]
                 row["frac_fwd"] = ideal["fwd_ms"] / row["fwd_ms"]
                 row["frac_fwd_bwd"] = ideal["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+                for key in ("fwd", "fwd_bwd"):
+                    if ideal.get(f"steady_{key}_ms") and row.get(f"steady_{key}_ms"):
+                        row[f"frac_steady_{key}"] = (ideal[f"steady_{key}_ms"]
+                                                     / row[f"steady_{key}_ms"])
             rows.append(row)
             if rank == 0:
                 print(f"[{time.monotonic() - runner.start:6.1f}s] {fmt_row(row)}", flush=True)
@@ -756,6 +766,21 @@ def _union(intervals):
 def _subtract(intervals, cover):
     """Length of ``intervals``' union not covered by ``cover``'s union."""
     return _union(intervals + cover) - _union(cover)
+
+
+def steady_ms(fn, iters):
+    """Median time in ms of ``fn()`` in steady state on CUDA (``timing.steady_times``: runs back
+    to back with the host ahead, as a model's layers run; the max over ranks). The per-run
+    columns synchronise before each run, so they also hold how long the GPU waits for the host
+    to reach the first kernel, which a model pays once per step, not per layer."""
+    groups = max(1, iters // STEADY_GROUP)
+    worst = torch.tensor(statistics.median(steady_times(fn, groups, STEADY_GROUP, STEADY_LEAD_MS)),
+                         device="cuda")
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+STEADY_GROUP, STEADY_LEAD_MS = 5, 20.0  # runs per steady-state group; the host's head start
 
 
 def kernel_summary(trace_path, iters):

@@ -81,12 +81,13 @@ def fmt_row(r):
         return f"{head} ERROR {r['error']}"
     return (f"{head} {_f(r.get('fwd_ms'), '9.3f')} {_f(r.get('frac_fwd'), '6.3f')} "
             f"{_f(r.get('fwd_bwd_ms'), '10.3f')} {_f(r.get('frac_fwd_bwd'), '6.3f')} "
+            f"{_f(r.get('frac_steady_fwd'), '5.2f')} {_f(r.get('frac_steady_fwd_bwd'), '5.2f')} "
             f"{_f(r.get('mem_gib'), '7.2f')} {_f(r.get('sent_mib'), '8.1f')}  {acc}")
 
 
 HEADER = (f"{'tok/GPU':>6} {'kv':>3} {'':>2} {'method':20} {'fwd ms':>9} {'frac':>6} "
-          f"{'fwd+bwd ms':>10} {'frac':>6} {'mem GiB':>7} {'sent MiB':>8}  "
-          "acc ratio out/dq/dk/dv")
+          f"{'fwd+bwd ms':>10} {'frac':>6} {'st f':>5} {'st fb':>5} {'mem GiB':>7} "
+          f"{'sent MiB':>8}  acc ratio out/dq/dk/dv")
 
 
 def print_table(info, rows):
@@ -94,7 +95,8 @@ def print_table(info, rows):
           f"{info.get('gpu', info['device'])} torch {info['torch']} cudnn {info.get('cudnn')} "
           f"triton {info.get('triton')}")
     print("frac = single-GPU cuDNN time over the whole sequence / W (with --window: windowed "
-          "flash), divided by the row's time; mem = peak the call adds on its inputs (ideal rows: "
+          "flash), divided by the row's time, each run timed from an idle GPU; st f / st fb = the "
+          "same in steady state (CUDA: runs back to back, the host ahead, as a model's layers); mem = peak the call adds on its inputs (ideal rows: "
           "one GPU, whole sequence); sent = bytes a rank sent per fwd+bwd (max over ranks)")
     print(HEADER)
     for r in rows:
