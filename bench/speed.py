@@ -26,8 +26,10 @@ Methods, per config (tokens per GPU x kv heads; d = 128, causal bf16 unless told
           --mesh 2x2 --methods ideal,zigzag_fp32,2x2_zigzag_fp32,2x2_llama3_fp32 --out hybrid.json
 
 
-Columns: forward and forward+backward time (CUDA events, --warmup, median of --iters, max over ranks),
-fraction of the ideal, the memory the call adds on top of its inputs at its peak
+Columns: forward and forward+backward time (CUDA events, --warmup, median of --iters, max over ranks;
+each run starts on an idle GPU, so its time holds the GPU's wait for the host to reach the first
+kernel), fraction of the ideal, on CUDA the same fractions in steady state (``st f`` / ``st fb``:
+runs back to back with the host ahead, as a model's layers run; ``steady_ms``), the memory the call adds on top of its inputs at its peak
 (``max_memory_allocated`` - allocated before, reset per method, max over ranks; for the ideal rows
 on one GPU over the whole sequence), and the rel-RMS error of out/dq/dk/dv against a float64
 reference of the whole attention, as a ratio to single-GPU cuDNN's own rel-RMS (1.00 = splitting
