@@ -137,7 +137,7 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
             disagree.
     """
     key = _checked_key(q, k, v, mesh, schedule, is_causal, scale, precision, backend, attn_mask,
-                       dropout_p, cu_seqlens, window)
+                       dropout_p, cu_seqlens, max_seqlen, window)
     known = _CHECKED.get(key) if key is not None else None
     if known is not None and known[0] is mesh:
         _, seq_mesh, call = known
@@ -174,19 +174,27 @@ _CHECKED_MAX = 256
 
 
 def _checked_key(q, k, v, mesh, schedule, is_causal, scale, precision, backend, attn_mask,
-                 dropout_p, cu_seqlens, window):
-    """``_CHECKED``'s key of an eager call without documents, else None."""
-    if (cu_seqlens is not None or attn_mask is not None
+                 dropout_p, cu_seqlens, max_seqlen, window):
+    """``_CHECKED``'s key of an eager call without documents, else None. Each option with its
+    type, so that a value the checks refuse for its type (``is_causal=1``) never meets the key
+    of an accepted one it equals (``True``)."""
+    if (cu_seqlens is not None or max_seqlen is not None or attn_mask is not None
             or not all(type(x) is torch.Tensor for x in (q, k, v)) or _use_op(q)):
         return None
     try:
-        key = (id(mesh), schedule, is_causal, scale, precision, backend, dropout_p,
-               tuple(window) if isinstance(window, list) else window,
+        key = (id(mesh), *map(_typed, (schedule, is_causal, scale, precision, backend, dropout_p,
+                                       window)),
                *((x.shape, x.dtype, x.device) for x in (q, k, v)))
         hash(key)
     except TypeError:  # an unhashable option: checked every time (and likely refused)
         return None
     return key
+
+
+def _typed(option):
+    if isinstance(option, (list, tuple)):
+        return type(option), tuple(map(_typed, option))
+    return type(option), option
 
 
 def _use_op(x: torch.Tensor) -> bool:

@@ -1,9 +1,9 @@
 """Eager ``ring_attention`` remembers a call whose arguments passed its checks (``attention.py``,
 ``_CHECKED``) and skips them when the same call comes again, as a model's does at every layer: on
 2 gloo ranks, the repeated call takes no second resolution and gives the same bits; any change
-the checks read (an option, a dtype, a shape, another mesh) is checked again, so a bad argument
-after a good call still raises; calls with documents are never remembered. And the communicator
-of a group is made once (``comm/process_group.comm_of``)."""
+the checks read (an option or its type, a dtype, a shape, another mesh) is checked again, so a
+bad argument after a good call still raises; calls with documents are never remembered. And the
+communicator of a group is made once (``comm/process_group.comm_of``)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,14 +49,18 @@ def _check(mesh):
         ring(scale=-1.0)
     with pytest.raises(ValueError, match="precision"):
         ring(precision="fp8")
+    with pytest.raises(TypeError, match="is_causal"):  # equal to True, refused for its type
+        dr.ring_attention(q, k, v, mesh=mesh, schedule="zigzag", is_causal=1)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        ring(max_seqlen=32)
     other = DeviceMesh.from_group(dist.new_group([0, 1]), "cpu")
     ring(mesh=other)
-    assert len(calls) == 6, f"rank {rank}: another mesh was not checked"
+    assert len(calls) == 8, f"rank {rank}: another mesh was not checked"
     bounds = torch.tensor([0, 32, 64])
     docs = [dr.shard_sequence(x, mesh, cu_seqlens=bounds) for x in whole]
     for _ in range(2):
         dr.ring_attention(*docs, mesh=mesh, schedule="zigzag", is_causal=True, cu_seqlens=bounds)
-    assert len(calls) == 8, f"rank {rank}: a call with documents was remembered"
+    assert len(calls) == 10, f"rank {rank}: a call with documents was remembered"
     group = mesh.get_group()
     assert comm_of(group) is comm_of(group), f"rank {rank}: a group's communicator made twice"
 
