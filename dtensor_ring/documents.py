@@ -134,10 +134,28 @@ def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
     else:
         max_len = seq_len if max_seqlen is None else max_seqlen
     if isinstance(cu_seqlens, torch.Tensor):
-        cu = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+        cu = _on_device(cu_seqlens, device)
     else:
         cu = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
     return Documents.of(cu, max_len, values)
+
+
+def _on_device(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` as int32 on ``device``: the same tensor for the same boundaries tensor
+    while it is unchanged, so that ``Documents.of`` finds the documents it derived for the last
+    call (a model's layers pass one tensor; an int64 or CPU one was converted anew at each
+    call, and its segments derived again: docs/design.md, "Host time of an eager call"). Not
+    kept while traced or while a CUDA graph is captured (``Documents.of`` says why)."""
+    if is_traced(cu_seqlens) or (device.type == "cuda"
+                                 and torch.cuda.is_current_stream_capturing()):
+        return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+    key = (device, cu_seqlens._version)
+    held = getattr(cu_seqlens, "_dtensor_ring_on_device", None)
+    if held is None or held[0] != key:
+        held = (key, cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True))
+        if held[1] is not cu_seqlens:
+            cu_seqlens._dtensor_ring_on_device = held
+    return held[1]
 
 
 def within_document(positions: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:

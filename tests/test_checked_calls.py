@@ -2,8 +2,10 @@
 ``_CHECKED``) and skips them when the same call comes again, as a model's does at every layer: on
 2 gloo ranks, the repeated call takes no second resolution and gives the same bits; any change
 the checks read (an option or its type, a dtype, a shape, another mesh) is checked again, so a
-bad argument after a good call still raises; calls with documents are never remembered. And the
-communicator of a group is made once (``comm/process_group.comm_of``)."""
+bad argument after a good call still raises; calls with documents are never remembered. The
+communicator of a group is made once (``comm/process_group.comm_of``). One boundaries tensor
+(int64, on the CPU) is converted and placed once, and anew when it changes in place
+(``documents._on_device``)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -67,3 +69,43 @@ def _check(mesh):
 
 def test_a_checked_call_is_remembered_and_any_change_is_checked_again():
     run_on_ranks(2, _check)
+
+
+def _check_boundaries_tensor(mesh):
+    """The same int64 CPU boundaries tensor at every call (as a model's layers pass it): its
+    device copy and the placement derived from it are made once; changed in place, anew."""
+    from dtensor_ring.layouts import placement
+    rank = mesh.get_local_rank()
+    made = []
+    real = placement.Placement
+
+    class Counted(real):
+        def __init__(self, *args):
+            made.append(1)
+            super().__init__(*args)
+    placement.Placement = Counted
+    whole = [x.float() for x in make_inputs(1, 4, 2, 64, 16, seed=5)[:3]]
+    bounds = torch.tensor([0, 16, 48, 64])  # int64 on the CPU: converted for the call
+
+    def ring():
+        shards = [dr.shard_sequence(x, mesh, cu_seqlens=bounds) for x in whole]
+        return dr.ring_attention(*shards, mesh=mesh, schedule="zigzag", is_causal=True,
+                                 cu_seqlens=bounds)
+
+    first = ring()
+    count = len(made)
+    again = ring()
+    assert len(made) == count, f"rank {rank}: the placement was derived again for one tensor"
+    assert torch.equal(first, again), f"rank {rank}: the second call differs"
+    bounds.copy_(torch.tensor([0, 32, 48, 64]))  # in place: other documents
+    moved = ring()
+    assert len(made) > count, f"rank {rank}: boundaries changed in place were not seen"
+    fresh = dr.ring_attention(*[dr.shard_sequence(x, mesh, cu_seqlens=bounds.clone())
+                                for x in whole], mesh=mesh, schedule="zigzag", is_causal=True,
+                              cu_seqlens=bounds.clone())
+    assert torch.equal(moved, fresh), f"rank {rank}: stale documents after an in-place change"
+    assert not torch.equal(moved, first), f"rank {rank}: the check cannot tell the documents"
+
+
+def test_one_boundaries_tensor_is_converted_and_placed_once():
+    run_on_ranks(2, _check_boundaries_tensor)
