@@ -101,7 +101,7 @@ from graph_capture import failure, graph_measure, recover  # noqa: E402
 from kernel_kinds import breakdown  # noqa: E402
 from mixes import document_mix, placed_mix  # noqa: E402
 from report import describe, versions, write_json  # noqa: E402
-from timing import run_times, steady_times  # noqa: E402
+from timing import STEADY_GROUP, run_times, steady_median_ms  # noqa: E402
 
 SCHEDULES = ("ring", "zigzag", "stripe", "llama3")
 PRECISIONS = ("fp32", "exact")
@@ -122,7 +122,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LAYOUTS = ("bhsd", "bshd")  # --layout
 STEADY_TIMES = ("steady_fwd_ms", "steady_fwd_bwd_ms")  # CUDA: the host ahead (measure)
 TIMES = ("fwd_ms", "fwd_bwd_ms", *STEADY_TIMES)  # each gets a fraction of the fastest ideal
-STEADY_GROUP = 5  # runs back to back per steady-state timing (bench/timing.py steady_times)
 MARK = "per_rank."  # record_function prefix of the profiled phases: per_rank.fwd, per_rank.bwd
 OUTPUTS = {False: ("out", "lse"), True: ("out", "lse", "dq", "dk", "dv")}  # call(backward) returns
 
@@ -474,11 +473,9 @@ def measure(call, args, device):
              host_fwd_bwd_ms=med(host_fb),
              mem_gib=(torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None)
     if cuda:
-        groups = max(1, args.iters // STEADY_GROUP)
         for backward, key in ((False, "fwd"), (True, "fwd_bwd")):
             lead = 2 * m[f"host_{key}_ms"] + 0.5  # the host's first call, with room
-            m[f"steady_{key}_ms"] = med(steady_times(lambda: call(backward), groups,
-                                                     STEADY_GROUP, lead))
+            m[f"steady_{key}_ms"] = steady_median_ms(lambda: call(backward), args.iters, lead)
     return m
 
 

@@ -26,11 +26,11 @@ Methods, per config (tokens per GPU x kv heads; d = 128, causal bf16 unless told
           --mesh 2x2 --methods ideal,zigzag_fp32,2x2_zigzag_fp32,2x2_llama3_fp32 --out hybrid.json
 
 
-Columns: forward and forward+backward time (CUDA events, --warmup, median of --iters, max over ranks;
-each run starts on an idle GPU, so its time holds the GPU's wait for the host to reach the first
-kernel), fraction of the ideal, on CUDA the same fractions in steady state (``st f`` / ``st fb``:
-runs back to back with the host ahead, as a model's layers run; ``steady_ms``), the memory the call adds on top of its inputs at its peak
-(``max_memory_allocated`` - allocated before, reset per method, max over ranks; for the ideal rows
+Columns: forward and forward+backward time (CUDA events, --warmup, median of --iters, max over
+ranks; each run starts on an idle GPU, so its time holds the GPU's wait for the host to reach the
+first kernel), fraction of the ideal, on CUDA the same fractions in steady state (``st f`` /
+``st fb``: runs back to back with the host ahead, as a model's layers run; ``steady_ms``), the
+memory the call adds on top of its inputs at its peak (``max_memory_allocated`` - allocated before, reset per method, max over ranks; for the ideal rows
 on one GPU over the whole sequence), and the rel-RMS error of out/dq/dk/dv against a float64
 reference of the whole attention, as a ratio to single-GPU cuDNN's own rel-RMS (1.00 = splitting
 added no error), for global lengths up to --accuracy-max-seq (the reference is O(S^2) per head).
@@ -69,7 +69,6 @@ import datetime
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -88,7 +87,7 @@ from dtensor_ring.tools.numerics import NAMES, errors, fwd_bwd
 from mixes import placed_mix
 from report import describe, versions, write_json
 from speed_plot import fmt_row, plot, print_table
-from timing import local_median_ms, steady_times
+from timing import local_median_ms, max_over_ranks, steady_median_ms
 
 # The real SDPA, taken before anything can patch it: PyTorch's context_parallel replaces
 # F.scaled_dot_product_attention while it is active (and on torch 2.11 does not put it back if its
@@ -771,18 +770,14 @@ def _subtract(intervals, cover):
 
 
 def steady_ms(fn, iters):
-    """Median time in ms of ``fn()`` in steady state on CUDA (``timing.steady_times``: runs back
-    to back with the host ahead, as a model's layers run; the max over ranks). The per-run
+    """Median time in ms of ``fn()`` in steady state on CUDA (``timing.steady_median_ms``: runs
+    back to back with the host ahead, as a model's layers run; the max over ranks). The per-run
     columns synchronise before each run, so they also hold how long the GPU waits for the host
     to reach the first kernel, which a model pays once per step, not per layer."""
-    groups = max(1, iters // STEADY_GROUP)
-    worst = torch.tensor(statistics.median(steady_times(fn, groups, STEADY_GROUP, STEADY_LEAD_MS)),
-                         device="cuda")
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
+    return max_over_ranks(steady_median_ms(fn, iters, STEADY_LEAD_MS))
 
 
-STEADY_GROUP, STEADY_LEAD_MS = 5, 20.0  # runs per steady-state group; the host's head start
+STEADY_LEAD_MS = 20.0  # the host's head start before each steady-state group
 
 
 def kernel_summary(trace_path, iters):

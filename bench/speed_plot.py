@@ -96,8 +96,9 @@ def print_table(info, rows):
           f"triton {info.get('triton')}")
     print("frac = single-GPU cuDNN time over the whole sequence / W (with --window: windowed "
           "flash), divided by the row's time, each run timed from an idle GPU; st f / st fb = the "
-          "same in steady state (CUDA: runs back to back, the host ahead, as a model's layers); mem = peak the call adds on its inputs (ideal rows: "
-          "one GPU, whole sequence); sent = bytes a rank sent per fwd+bwd (max over ranks)")
+          "same in steady state (CUDA: runs back to back, the host ahead, as a model's layers); "
+          "mem = peak the call adds on its inputs (ideal rows: one GPU, whole sequence); sent = "
+          "bytes a rank sent per fwd+bwd (max over ranks)")
     print(HEADER)
     for r in rows:
         print(fmt_row(r))

@@ -8,7 +8,12 @@ import torch.distributed as dist
 
 def median_ms(fn, warmup, iters):
     """Median time of ``fn()`` in ms over ``iters`` runs after ``warmup``, the max over ranks."""
-    worst = torch.tensor(local_median_ms(fn, warmup, iters), device="cuda")
+    return max_over_ranks(local_median_ms(fn, warmup, iters))
+
+
+def max_over_ranks(ms: float) -> float:
+    """The largest of every rank's ``ms`` (CUDA: an all-reduce on the current device)."""
+    worst = torch.tensor(ms, device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()
 
@@ -50,6 +55,16 @@ def run_times(fn, warmup, iters, device="cuda"):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return times, host
+
+
+STEADY_GROUP = 5  # runs back to back per steady-state timing (steady_median_ms)
+
+
+def steady_median_ms(fn, iters, lead_ms):
+    """Median of ``steady_times`` in ms over about ``iters`` runs: ``iters // STEADY_GROUP``
+    groups (at least one) of ``STEADY_GROUP``, each after a head start of ``lead_ms``."""
+    return statistics.median(steady_times(fn, max(1, iters // STEADY_GROUP), STEADY_GROUP,
+                                          lead_ms))
 
 
 def steady_times(fn, groups, per_group, lead_ms):
