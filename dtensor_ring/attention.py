@@ -156,7 +156,7 @@ def ring_attention(q, k, v, *, mesh, schedule="zigzag", is_causal=False, scale=N
                 _CHECKED.clear()
             _CHECKED[key] = (mesh, seq_mesh, call)
     cu = None if docs is None else docs.cu
-    if not _use_op(q):
+    if key is not None or not _use_op(q):  # a key is made only for calls that are not traced
         call.check(seq_mesh.check_group, q, k, cu)  # ops.py checks the rest
         return _Ring.apply(q, k, v, seq_mesh, call, docs)
     # The documents' boundaries go into the graph as a tensor (new boundaries: no recompile).

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .layouts import LAYOUTS
-from .layouts.boundaries import Documents, is_traced
+from .layouts.boundaries import Documents, capturing, is_traced
 from .layouts.placement import cut_documents_host, cut_length, plan_row
 from .validation import check_int, check_tensor, normalize_dim
 
@@ -146,8 +146,7 @@ def _on_device(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
     call (a model's layers pass one tensor; an int64 or CPU one was converted anew at each
     call, and its segments derived again: docs/design.md, "Host time of an eager call"). Not
     kept while traced or while a CUDA graph is captured (``Documents.of`` says why)."""
-    if is_traced(cu_seqlens) or (device.type == "cuda"
-                                 and torch.cuda.is_current_stream_capturing()):
+    if is_traced(cu_seqlens) or capturing(device):
         return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
     key = (device, cu_seqlens._version)
     held = getattr(cu_seqlens, "_dtensor_ring_on_device", None)

@@ -144,4 +144,3 @@ def comm_of(group) -> ProcessGroupComm:
 
 
 _COMMS: dict = {}  # process group -> its ProcessGroupComm
-

@@ -22,8 +22,7 @@ class Documents:
 
     @classmethod
     def of(cls, cu: torch.Tensor, max_len: int, host: list[int] | None = None) -> "Documents":
-        if (is_traced(cu) or (cu.is_cuda and torch.cuda.is_current_stream_capturing())
-                or not isinstance(max_len, int)):
+        if is_traced(cu) or capturing(cu.device) or not isinstance(max_len, int):
             return cls(cu, max_len, host)
         key = (max_len, cu._version)
         held = getattr(cu, "_dtensor_ring_documents", None)
@@ -43,3 +42,9 @@ class Documents:
 def is_traced(x: torch.Tensor) -> bool:
     """Values unknown (Dynamo or a fake tensor); Dynamo must not reach ``is_fake``."""
     return torch.compiler.is_compiling() or is_fake(x)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream: what is derived
+    from a tensor then must be derived at every replay, not kept (``Documents.of``)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
