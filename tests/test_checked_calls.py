@@ -18,11 +18,11 @@ from dist_utils import run_on_ranks
 from dtensor_ring.tools.numerics import make_inputs
 
 
-def _counting_prepare(monkeypatch_calls):
+def _counting_prepare(calls):
     real = attention._prepare
 
     def counted(*args, **kwargs):
-        monkeypatch_calls.append(1)
+        calls.append(1)
         return real(*args, **kwargs)
     return counted
 
