@@ -9,6 +9,7 @@ code into a graph of explicit steps; ``replay.ReplayComm`` hands back ready buff
 Every operation is posted at once and returns a ``Pending``; ``wait()`` gives the result. A schedule
 posts the next step's exchange before it computes the current step, so the two overlap.
 """
+from typing import Callable, Optional
 from typing import Protocol
 
 import torch
@@ -22,10 +23,16 @@ class Communicator(Protocol):
     rank: int
     world_size: int
 
-    def send_recv_next(self, tensors: list[torch.Tensor]) -> Pending:
+    def send_recv_next(self, tensors: list[torch.Tensor],
+                       overlapping: Optional[Callable[[], None]] = None) -> Pending:
         """Send ``tensors`` to rank+1 and receive tensors of the same shapes from rank-1 (mod W);
         ``wait()`` gives the list. One message per tensor, posted together: K and V travel
-        without being copied into one buffer first."""
+        without being copied into one buffer first.
+
+        ``overlapping``: launches the compute this exchange should hide behind, which needs
+        nothing from it (a schedule's first step). The communicator runs it after posting, or
+        before where that overlaps the two sooner (``peer_copy.py``: the copy engines need no SM,
+        so the first kernel goes to the GPU before the post's host time)."""
 
     def send_recv(self, offset: int, send: list[torch.Tensor], recv_shapes: list) -> Pending:
         """Send ``send`` to rank + ``offset`` and receive tensors of ``recv_shapes`` (dtype and
@@ -39,6 +46,13 @@ class Communicator(Protocol):
 
     def reduce_scatter(self, tensor: torch.Tensor) -> Pending:
         """``tensor`` has a leading dim of size W; rank r gets the sum over ranks of ``tensor[r]``."""
+
+
+def posted_then(pending: Pending, overlapping: Optional[Callable[[], None]]) -> Pending:
+    """``pending``, once ``overlapping`` (``Communicator.send_recv_next``) has been launched."""
+    if overlapping is not None:
+        overlapping()
+    return pending
 
 
 class _Done:

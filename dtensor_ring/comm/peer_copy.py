@@ -9,23 +9,31 @@ copy engines", gives the measurements).
 
 One call, on a side stream of high priority, after everything the compute stream has queued:
 
-    barrier         every rank is here: the arena, emptied by the last call, is free everywhere
+    wait  FREE      rank+1 has emptied its arena (set by rank+1 after its last copy out)
     copy  ->  next  this rank's tensors into rank+1's arena (copy engine, over NVLink)
-    barrier         every rank's copy has landed
+    set   LANDED    in rank+1's flags: the copy is there
+    wait  LANDED    rank-1's copy is in this rank's arena
     copy  <-  arena the arena into fresh tensors, which are the result (copy engine, local)
+    set   FREE      in rank-1's flags: this arena is empty again
     event           ``wait()`` makes the compute stream wait for it
+
+The flags are words in symmetric memory, set and awaited by the streams' front ends
+(``stream_flags.py``), not by kernels: a cuDNN kernel running on the compute stream holds every
+SM, and a barrier kernel would wait for it to drain before the shift could land. Each flag is
+reset by the rank that waits for it, right after the wait, so a shift leaves the flags as it
+found them (FREE set, LANDED clear), and a CUDA graph that captured shifts replays them.
 
 The result is copied out of the arena so that it is an ordinary tensor, owned by its caller
 (inductor may reuse a custom op's output buffer for anything once it is dead; a peer writing into
 it later would corrupt that), and so that one arena per process group serves every call in turn:
-calls run one after another on the side stream, and each has emptied the arena before the next
-one's first barrier. The arena is the largest message sent so far (kept for the process's life,
-like NCCL's own buffers; it grows, collectively, when a larger message comes).
+calls run one after another on the side stream. The arena is the largest message sent so far
+(kept for the process's life, like NCCL's own buffers; it grows, collectively, when a larger
+message comes).
 
 Used where every rank of the group can reach the next one's memory: NCCL groups of CUDA ranks on
-one host with peer access, agreed by all ranks the first time a group shifts (a collective, so
-that first shift must not be inside a CUDA graph capture). ``DTENSOR_RING_PEER_COPY=0`` keeps
-NCCL's send/recv. Elsewhere (gloo, several hosts) ``ProcessGroupComm`` uses NCCL or gloo as before.
+one host with peer access and a driver that runs stream memory operations, agreed by all ranks
+the first time a group shifts (a collective, so that first shift must not be inside a CUDA graph
+capture). ``DTENSOR_RING_PEER_COPY=0`` keeps NCCL's send/recv. Elsewhere (gloo, several hosts) ``ProcessGroupComm`` uses NCCL or gloo as before.
 """
 import os
 import socket
@@ -36,9 +44,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import stream_flags
+
 ENV = "DTENSOR_RING_PEER_COPY"
 SWITCH = {"0": "NCCL's send/recv", "1": "the copy engines (the default)"}  # ENV's values
 _ALIGN = 256  # bytes: each tensor's place in the arena starts on such a boundary
+LANDED, FREE = 0, 1  # the flag words of a rank (int32): see the module docstring
 
 _RINGS: dict = {}  # process group name -> PeerCopyRing, or None where peer copies are not used
 
@@ -54,7 +65,8 @@ def peer_copy_ring(group) -> Optional["PeerCopyRing"]:
 
 def _agreed(group) -> bool:
     """Whether every rank can write into the next rank's memory: CUDA, NCCL, one host, peer
-    access both ways round the ring, symmetric memory importable, not switched off."""
+    access both ways round the ring, symmetric memory importable, stream memory operations,
+    not switched off."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if dist.get_backend(group) != "nccl" or world == 1:
         return False
@@ -66,8 +78,8 @@ def _agreed(group) -> bool:
     dist.all_gather_into_tensor(everyone, mine, group=group)
     rows = everyone.tolist()
     hosts, devices = {host for host, _ in rows}, [index for _, index in rows]
-    ok = (switched_on and len(hosts) == 1 and _symmetric_memory()
-          is not None and all(torch.cuda.can_device_access_peer(device.index, devices[peer])
+    ok = (switched_on and len(hosts) == 1 and _symmetric_memory() is not None
+          and stream_flags.unusable_because() is None and all(torch.cuda.can_device_access_peer(device.index, devices[peer])
                               for peer in ((rank + 1) % world, (rank - 1) % world)
                               if devices[peer] != device.index))
     flag = torch.tensor([int(ok)], device=device)
@@ -114,20 +126,33 @@ class PeerCopyRing:
         self.stream = torch.cuda.Stream(priority=-1)
         self.arena, self.handle = None, None
         self._plans: dict = {}  # message shape -> _plan's views
+        self._flags = self._flag_words()  # (this rank's, rank+1's, rank-1's) flag addresses
+
+    def _flag_words(self) -> tuple:
+        """This rank's flag words, FREE set and LANDED clear before any peer can see them; their
+        address here, on rank+1 and on rank-1 (collective)."""
+        symm_mem = _symmetric_memory()
+        _enable(symm_mem, self.group_name)
+        self.flags = symm_mem.empty(2, dtype=torch.int32, device="cuda")
+        self.flags[LANDED], self.flags[FREE] = 0, 1
+        torch.cuda.synchronize()
+        handle = symm_mem.rendezvous(self.flags, self.group_name)
+        handle.barrier(channel=0)  # no rank sets a peer's flag before the peer has set its own
+        torch.cuda.synchronize()
+        return tuple(handle.get_buffer(rank, [2], torch.int32, 0).data_ptr()
+                     for rank in (self.rank, (self.rank + 1) % self.world_size,
+                                  (self.rank - 1) % self.world_size))
 
     def _reserve(self, nbytes: int, device) -> None:
         """An arena of at least ``nbytes`` (collective: every rank asks for the same size)."""
         if self.arena is not None and self.arena.numel() >= nbytes:
             return
-        symm_mem = _symmetric_memory()
-        with warnings.catch_warnings():  # not needed, and deprecated, from torch 2.12
-            warnings.simplefilter("ignore")
-            if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.stream.synchronize()  # the old arena is idle before it is let go
+        # Idle here means idle everywhere that touches this arena: the last shift here waited
+        # for rank-1's copy into it, and its own copy into rank+1's is done.
+        self.stream.synchronize()
         self._plans.clear()
-        self.arena = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.arena, self.group_name)
+        self.arena = _symmetric_memory().empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = _symmetric_memory().rendezvous(self.arena, self.group_name)
 
     def _plan(self, tensors) -> tuple[list, list]:
         """Where ``tensors`` go in the arena: (views of rank+1's arena, views of this rank's),
@@ -146,21 +171,46 @@ class PeerCopyRing:
                 for rank in ((self.rank + 1) % self.world_size, self.rank))
         return plan
 
-    def send_recv_next(self, tensors: list[torch.Tensor]) -> _Landed:
+    def send_recv_next(self, tensors: list[torch.Tensor], overlapping=None) -> _Landed:
         """``Communicator.send_recv_next``: ``tensors`` (contiguous, on this rank's GPU) to rank+1;
-        ``wait()`` gives those of rank-1, fresh tensors of the same shapes."""
+        ``wait()`` gives those of rank-1, fresh tensors of the same shapes.
+
+        ``overlapping`` is launched first: the copies need no SM, so they can follow its kernels
+        onto the GPU and still run beside them, and its first kernel starts without waiting for
+        this post's host time. The copies wait only for what was queued before it."""
         theirs, mine = self._plan(tensors)
+        # allocated before ``overlapping``: no block its compute still uses can become them
         received = [torch.empty_like(t) for t in tensors]
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.handle.barrier(channel=0)
+        flags, to_next, to_prev = self._flags
+        word = 4  # bytes
+        stream = self.stream
+        if overlapping is None:
+            stream.wait_stream(torch.cuda.current_stream())
+        else:
+            ready = torch.cuda.Event()  # the tensors are ready here
+            ready.record()
+            overlapping()
+            stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            stream_flags.wait_flag(stream, flags + FREE * word, 1)
+            stream_flags.set_flag(stream, flags + FREE * word, 0)
             for place, t in zip(theirs, tensors):
                 place.copy_(t)
-            self.handle.barrier(channel=1)
+            stream_flags.set_flag(stream, to_next + LANDED * word, 1)
+            stream_flags.wait_flag(stream, flags + LANDED * word, 1)
+            stream_flags.set_flag(stream, flags + LANDED * word, 0)
             for r, place in zip(received, mine):
                 r.copy_(place)
+            stream_flags.set_flag(stream, to_prev + FREE * word, 1)
             landed = torch.cuda.Event()
-            landed.record(self.stream)
+            landed.record(stream)
         for t in tensors + received:  # the caching allocator keeps them until the copies ran
-            t.record_stream(self.stream)
+            t.record_stream(stream)
         return _Landed(landed, received)
+
+
+def _enable(symm_mem, group_name: str) -> None:
+    with warnings.catch_warnings():  # not needed, and deprecated, from torch 2.12
+        warnings.simplefilter("ignore")
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group_name)

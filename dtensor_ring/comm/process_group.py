@@ -6,7 +6,7 @@ import collections
 import torch
 import torch.distributed as dist
 
-from .base import _Done, sum_in_rank_order
+from .base import _Done, posted_then, sum_in_rank_order
 from .peer_copy import peer_copy_ring
 
 # torch 2.13 renamed the tensor collectives; 2.11 and 2.12 only have the old names.
@@ -61,24 +61,22 @@ class ProcessGroupComm:
         # NCCL sums in its own (fast) order; on gloo we sum in rank order to match the simulator.
         self._nccl = dist.get_backend(group) == "nccl"
 
-    def send_recv_next(self, tensors):
+    def send_recv_next(self, tensors, overlapping=None):
         if self.world_size == 1:
-            return _Done(list(tensors))
+            return posted_then(_Done(list(tensors)), overlapping)
         _count("send_recv_next", tensors)
         # Dense buffers (a model's k/v may be transposed views), for NCCL and the copy engines.
         tensors = [t.contiguous() for t in tensors]
         ring = peer_copy_ring(self.group) if self._nccl else None
-        if ring is not None:  # one host: the copy engines (peer_copy.py)
-            posted = ring.send_recv_next(tensors)
-            torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
-            return posted
+        if ring is not None:  # one host: the copy engines (peer_copy.py), no SM to make room for
+            return ring.send_recv_next(tensors, overlapping)
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
         works = dist.batch_isend_irecv(ops)  # one NCCL group: one kernel
         if self._nccl:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
-        return _Works(works, received)
+        return posted_then(_Works(works, received), overlapping)
 
     def send_recv(self, offset, send, recv_shapes):
         sending = [t.contiguous() for t in send if t.numel()]

@@ -23,7 +23,7 @@ first.
 """
 import torch
 
-from .base import _Done
+from .base import _Done, posted_then
 
 
 class ReplayComm:
@@ -86,10 +86,10 @@ class ReplayComm:
             self._buffers[key] = buffer
         return buffer
 
-    def send_recv_next(self, tensors):
-        if self.world_size == 1:
-            return _Done(list(tensors))  # as the real communicators: nothing to exchange
-        return _Done(self._take([(t.shape, t) for t in tensors]))
+    def send_recv_next(self, tensors, overlapping=None):
+        if self.world_size == 1:  # as the real communicators: nothing to exchange
+            return posted_then(_Done(list(tensors)), overlapping)
+        return posted_then(_Done(self._take([(t.shape, t) for t in tensors])), overlapping)
 
     def send_recv(self, offset, send, recv_shapes):
         return _Done(self._take([(shape, t) for t, shape in zip(send, recv_shapes)]))

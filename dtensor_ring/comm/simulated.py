@@ -18,7 +18,7 @@ import threading
 import torch
 
 from ..hybrid.comm import HybridComm
-from .base import _Done, sum_in_rank_order
+from .base import _Done, posted_then, sum_in_rank_order
 
 _TIMEOUT_S = 600.0
 
@@ -189,12 +189,12 @@ class SimComm:
                 pending.sent[dst] = sent
         return pending
 
-    def send_recv_next(self, tensors):
+    def send_recv_next(self, tensors, overlapping=None):
         if self.world_size == 1:
-            return _Done(list(tensors))
-        return self._post({(self.rank + 1) % self.world_size: list(tensors)},
-                          [(self.rank - 1) % self.world_size], lambda parts: parts[0],
-                          collective=False)
+            return posted_then(_Done(list(tensors)), overlapping)
+        return posted_then(self._post({(self.rank + 1) % self.world_size: list(tensors)},
+                                      [(self.rank - 1) % self.world_size], lambda parts: parts[0],
+                                      collective=False), overlapping)
 
     def send_recv(self, offset, send, recv_shapes):
         """``send`` to rank + ``offset`` (nothing if it is empty), ``recv_shapes`` from rank -

@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .base import _Done
+from .base import _Done, posted_then
 from .process_group import comm_of
 
 KINDS = ("send_recv_next", "send_recv", "all_gather", "reduce_scatter",
@@ -146,10 +146,10 @@ class TracedComm:
         self.last = post_exchange(tensors, self.last, kind, self.group_name, offset, recv_sizes)
         return _Posted(self.last, tensors, kind, self.world_size, recv_sizes)
 
-    def send_recv_next(self, tensors):
+    def send_recv_next(self, tensors, overlapping=None):
         if self.world_size == 1:
-            return _Done(list(tensors))
-        return self._post(tensors, "send_recv_next")
+            return posted_then(_Done(list(tensors)), overlapping)
+        return posted_then(self._post(tensors, "send_recv_next"), overlapping)
 
     def send_recv(self, offset, send, recv_shapes):
         sizes = [int(n) for shape in recv_shapes for n in shape]

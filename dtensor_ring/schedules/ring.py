@@ -120,25 +120,38 @@ class RingSchedule:
         exchanged = self._exchanged(local_len, world, docs)
         # placed documents, all short (every rank knows): nothing to exchange
         n_steps = world if exchanged else 1
-        kv = [k, v]
-        pending = (comm.send_recv_next(_rows(kv, exchanged, local_len)) if n_steps > 1
-                   else None)  # posted before the blocks are derived (with documents: tensor ops)
-        steps = [self._blocks(comm, step, local_len, is_causal, docs) for step in range(n_steps)]
         if kernel.exact:  # its kernel writes or merges into the fp32 accumulator itself
             out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
-        else:  # the block results in q's dtype, merged as they come (ForwardMerge)
-            merged = ForwardMerge(q, sum(map(len, steps)))
-        for step, blocks in enumerate(steps):
-            if step:
-                kv = pending.wait()
-                pending = comm.send_recv_next(kv) if step < n_steps - 1 else None
+
+        def attend(kv, block, fresh=False):
+            """The block's (out, lse, rows) in q's dtype; exact: None, merged into out, lse."""
+            if kernel.exact:
+                return attend_(kernel, q, *kv, block, scale, out, lse, fresh=fresh)
+            return (*kernel.forward(q[:, :, block.q], kv[0][:, :, block.k], kv[1][:, :, block.k],
+                                    block.mask, scale, block.segments), block.q)
+
+        own = self._blocks(comm, 0, local_len, is_causal, docs)
+        own_results = []
+
+        def launch_own():
+            own_results.extend(attend([k, v], block, fresh=True) for block in own)
+
+        # The first K/V hop hides behind the own block (the communicator orders the two).
+        pending = (comm.send_recv_next(_rows([k, v], exchanged, local_len), launch_own)
+                   if n_steps > 1 else launch_own())
+        steps = [self._blocks(comm, step, local_len, is_causal, docs)
+                 for step in range(1, n_steps)]
+        if not kernel.exact:  # the block results merged as they come (ForwardMerge)
+            merged = ForwardMerge(q, len(own) + sum(map(len, steps)))
+            for result in own_results:
+                merged.add(*result)
+        for step, blocks in enumerate(steps, start=1):
+            kv = pending.wait()
+            pending = comm.send_recv_next(kv) if step < n_steps - 1 else None
             for block in blocks:
-                if kernel.exact:
-                    attend_(kernel, q, *kv, block, scale, out, lse, fresh=step == 0)
-                else:
-                    merged.add(*kernel.forward(q[:, :, block.q], kv[0][:, :, block.k],
-                                               kv[1][:, :, block.k], block.mask, scale,
-                                               block.segments), block.q)
+                result = attend(kv, block)
+                if not kernel.exact:
+                    merged.add(*result)
         return (out, lse) if kernel.exact else merged.result()
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
@@ -167,11 +180,11 @@ class RingSchedule:
                     own_parts.append((block.k, *block_backward(kernel, dout, q, k, v, out, lse,
                                                                block, scale, dq_sums)))
 
-        pending_kv = (comm.send_recv_next(_rows([k, v], exchanged, local_len)) if world > 1
-                      else None)
         first, *others = self._blocks(comm, 0, local_len, is_causal, docs)
         early, late = split_own(first, kernel.masks)
-        own(early + others)
+        pending_kv = (comm.send_recv_next(_rows([k, v], exchanged, local_len),
+                                          lambda: own(early + others)) if world > 1
+                      else own(early + others))
         pending_dkv = None
         for step in range(1, world):
             kv = pending_kv.wait()
