@@ -60,10 +60,10 @@ class CollectiveLog(TorchDispatchMode):
             original = getattr(ProcessGroupComm, method)
             self._saved[method] = original
 
-            def recorded(comm, tensor, original=original, name=name):  # ring shift: a list
+            def recorded(comm, tensor, *rest, original=original, name=name):  # shift: a list
                 tensors = tensor if isinstance(tensor, (list, tuple)) else [tensor]
                 self.calls.append((name, [t.numel() for t in tensors]))
-                return original(comm, tensor)
+                return original(comm, tensor, *rest)
             setattr(ProcessGroupComm, method, recorded)
         return super().__enter__()
 
