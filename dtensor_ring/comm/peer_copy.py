@@ -7,13 +7,15 @@ a hop at a fraction of NVLink's rate, so with many heads the transfer outlasts t
 hide behind. A copy engine moves the bytes without any SM (docs/design.md, "The ring shift on the
 copy engines", gives the measurements).
 
-One call, on a side stream of high priority, after everything the compute stream has queued:
+One call, on a side stream of high priority, after what the compute stream had queued when the
+call began (``send_recv_next``: its ``overlapping`` compute launches before the post):
 
     wait  FREE      rank+1 has emptied its arena (set by rank+1 after its last copy out)
     copy  ->  next  this rank's tensors into rank+1's arena (copy engine, over NVLink)
     set   LANDED    in rank+1's flags: the copy is there
     wait  LANDED    rank-1's copy is in this rank's arena
-    copy  <-  arena the arena into fresh tensors, which are the result (copy engine, local)
+    copy  <-  arena the arena into fresh tensors, which are the result (local: this one runs on SMs,
+                    so it starts as the running kernel drains)
     set   FREE      in rank-1's flags: this arena is empty again
     event           ``wait()`` makes the compute stream wait for it
 

@@ -9,9 +9,11 @@ of custom ops around the eager one,
 "all_gather", "reduce_scatter", and the hybrid's "all_to_all"; "send_recv", the sliding-window
 exchange, also takes its offset and the received tensors' shapes, flattened in ``recv_sizes``), so
 a compiled ring exchanges exactly as an eager one does: the K/V (or dK/dV)
-of a ring step in one NCCL group, then the head start that lets NCCL onto the GPU before the
-step's attention kernel (``process_group.NCCL_HEAD_START_CYCLES``), and each exchange where the
-schedule posts it.
+of a ring step on the copy engines (``peer_copy.py``) or in one NCCL group, then the head start
+that lets NCCL onto the GPU before the step's attention kernel
+(``process_group.NCCL_HEAD_START_CYCLES``), and each exchange where the schedule posts it. (A
+post is an op of the graph, so compiled code posts a call's first shift before its first
+kernel, where eager code on the copy engines launches the kernel first.)
 
 Why not PyTorch's functional collectives, as the pass used first. Torch 2.11 has no traceable
 send/recv (``_c10d_functional.isend`` and ``batch_p2p_ops`` came in 2.12); the

@@ -5,7 +5,10 @@ Used by the ``ring`` (contiguous), ``zigzag`` and ``stripe`` schedules; their bl
 
 Forward, per step: post the send of the K/V held (K and V: two messages of one batch, no copy) to
 rank r+1 and the receive of the next from rank r-1, compute this step's blocks, merge them into the
-fp32 (out, lse), then wait for the next K/V.
+fp32 (out, lse), then wait for the next K/V. Step 0's blocks (the rank's own K/V) go to the first
+post as the compute it overlaps (``Communicator.send_recv_next``): on the copy engines they are
+launched first, so the GPU starts before the post's host time; the backward's early own blocks
+likewise.
 
 Backward: the same K/V pass, and an fp32 dK/dV accumulator for each rank's K/V that travels *with*
 them: rank src+1 starts it at step 1 from its blocks' dk/dv, each later holder adds its own and
