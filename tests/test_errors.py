@@ -121,3 +121,14 @@ def test_bad_peer_copy_switch(monkeypatch, value):
     for good, on in (("0", False), ("1", True)):
         monkeypatch.setenv(peer_copy.ENV, good)
         assert peer_copy.switched_on_by_env() is on
+
+
+def test_stream_flags_say_why_they_cannot_run():
+    """Without the CUDA driver the copy-engine shift is refused with the reason (its groups then
+    shift through NCCL or gloo); with a GPU, a flag set and awaited on a stream works."""
+    from dtensor_ring.comm import stream_flags  # noqa: PLC0415
+    reason = stream_flags.unusable_because()
+    if torch.cuda.is_available():
+        assert reason is None, reason
+    else:
+        assert isinstance(reason, str) and reason, reason
