@@ -9,8 +9,7 @@ code into a graph of explicit steps; ``replay.ReplayComm`` hands back ready buff
 Every operation is posted at once and returns a ``Pending``; ``wait()`` gives the result. A schedule
 posts the next step's exchange before it computes the current step, so the two overlap.
 """
-from typing import Callable, Optional
-from typing import Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 

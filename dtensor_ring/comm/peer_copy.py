@@ -128,11 +128,12 @@ class PeerCopyRing:
         self.stream = torch.cuda.Stream(priority=-1)
         self.arena, self.handle = None, None
         self._plans: dict = {}  # message shape -> _plan's views
-        self._flags = self._flag_words()  # (this rank's, rank+1's, rank-1's) flag addresses
+        # the flag words' addresses: this rank's FREE and LANDED, rank+1's LANDED, rank-1's FREE
+        self._free, self._landed, self._next_landed, self._prev_free = self._flag_words()
 
     def _flag_words(self) -> tuple:
-        """This rank's flag words, FREE set and LANDED clear before any peer can see them; their
-        address here, on rank+1 and on rank-1 (collective)."""
+        """This rank's flag words, FREE set and LANDED clear before any peer can see them; the
+        addresses the shifts use (collective)."""
         symm_mem = _symmetric_memory()
         _enable(symm_mem, self.group_name)
         self.flags = symm_mem.empty(2, dtype=torch.int32, device="cuda")
@@ -141,9 +142,11 @@ class PeerCopyRing:
         handle = symm_mem.rendezvous(self.flags, self.group_name)
         handle.barrier(channel=0)  # no rank sets a peer's flag before the peer has set its own
         torch.cuda.synchronize()
-        return tuple(handle.get_buffer(rank, [2], torch.int32, 0).data_ptr()
-                     for rank in (self.rank, (self.rank + 1) % self.world_size,
-                                  (self.rank - 1) % self.world_size))
+
+        def word(rank, index):
+            return handle.get_buffer(rank % self.world_size, [2], torch.int32, 0)[index].data_ptr()
+        return (word(self.rank, FREE), word(self.rank, LANDED), word(self.rank + 1, LANDED),
+                word(self.rank - 1, FREE))
 
     def _reserve(self, nbytes: int, device) -> None:
         """An arena of at least ``nbytes`` (collective: every rank asks for the same size)."""
@@ -183,8 +186,6 @@ class PeerCopyRing:
         theirs, mine = self._plan(tensors)
         # allocated before ``overlapping``: no block its compute still uses can become them
         received = [torch.empty_like(t) for t in tensors]
-        flags, to_next, to_prev = self._flags
-        word = 4  # bytes
         stream = self.stream
         if overlapping is None:
             stream.wait_stream(torch.cuda.current_stream())
@@ -194,16 +195,16 @@ class PeerCopyRing:
             overlapping()
             stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            stream_flags.wait_flag(stream, flags + FREE * word, 1)
-            stream_flags.set_flag(stream, flags + FREE * word, 0)
+            stream_flags.wait_flag(stream, self._free, 1)
+            stream_flags.set_flag(stream, self._free, 0)
             for place, t in zip(theirs, tensors):
                 place.copy_(t)
-            stream_flags.set_flag(stream, to_next + LANDED * word, 1)
-            stream_flags.wait_flag(stream, flags + LANDED * word, 1)
-            stream_flags.set_flag(stream, flags + LANDED * word, 0)
+            stream_flags.set_flag(stream, self._next_landed, 1)
+            stream_flags.wait_flag(stream, self._landed, 1)
+            stream_flags.set_flag(stream, self._landed, 0)
             for r, place in zip(received, mine):
                 r.copy_(place)
-            stream_flags.set_flag(stream, to_prev + FREE * word, 1)
+            stream_flags.set_flag(stream, self._prev_free, 1)
             landed = torch.cuda.Event()
             landed.record(stream)
         for t in tensors + received:  # the caching allocator keeps them until the copies ran

@@ -51,7 +51,7 @@ from ..layouts.placement import exchanged_rows
 from ..merge import sum_many_
 from . import windowed
 from .base import (ForwardMerge, HeldSums, RowSums, attend_, backward_operands,
-                   block_backward, fp32_empty)
+                   block_backward, forward_block, fp32_empty)
 
 
 def split_own(block: Block, masks) -> tuple[list[Block], list[Block]]:
@@ -130,8 +130,7 @@ class RingSchedule:
             """The block's (out, lse, rows) in q's dtype; exact: None, merged into out, lse."""
             if kernel.exact:
                 return attend_(kernel, q, *kv, block, scale, out, lse, fresh=fresh)
-            return (*kernel.forward(q[:, :, block.q], kv[0][:, :, block.k], kv[1][:, :, block.k],
-                                    block.mask, scale, block.segments), block.q)
+            return (*forward_block(kernel, q, *kv, block, scale), block.q)
 
         own = self._blocks(comm, 0, local_len, is_causal, docs)
         own_results = []
