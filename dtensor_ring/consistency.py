@@ -23,8 +23,9 @@ of different shapes over the same ranks (2 x 2 on some, 1 x 4 on others) are cau
 Where it runs: eagerly, in ``ring_attention`` before its autograd function, and in the custom op
 ``dtensor_ring::ring_attention_fwd`` (the DTensor rule's path, and ``ring_attention`` while a
 dispatch mode is active). Under ``torch.compile`` the op's fake implementation runs it while Dynamo
-traces: once per compiled graph, no graph break and no guard (sizes that are symbolic in the graph
-are read from the traced example's values, which adds no guard). Dynamo reports an exception raised
+traces: once per compiled graph, no graph break and no guard of its own (the fake implementation
+makes q/k/v's sizes constants first, ``ops.static_sizes``; the documents' count, symbolic, is read
+from the traced example's value, which adds no guard). Dynamo reports an exception raised
 while it traces as its own ``TorchRuntimeError``, whose message carries this ``ValueError``'s.
 
 Limit: the cache is what makes steady-state calls free, and it cannot catch a rank whose signature
@@ -32,9 +33,8 @@ changes to one it has not checked while the others repeat one they have already 
 all-gathers and the others go on to exchange. No check can see that without a collective on every
 call. ``set_mode("every")`` (or the environment variable ``DTENSOR_RING_CONSISTENCY=every``) does
 exactly that, one small all-gather per call, for debugging; under ``torch.compile`` it applies to
-the eager calls and to each trace, not to every run of a compiled graph. Likewise a graph compiled
-with a symbolic (dynamic) length is checked for the length it was traced with, not again for the
-other lengths it then runs. ``set_mode("off")`` skips the check.
+the eager calls and to each trace, not to every run of a compiled graph (each length and head
+count has its own graph, checked when it is traced). ``set_mode("off")`` skips the check.
 
 Cost: the first call of a signature adds one small all-gather; a checked signature costs building
 the key and a set lookup per call, below the noise of the ring call itself (timed with the check on

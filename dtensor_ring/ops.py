@@ -18,6 +18,7 @@ connects the two. ``ring_attention`` calls these ops; the compile pass (``dtenso
 finds them in the graph and expands them into explicit steps. The bodies here serve the hybrid's
 ops too (``hybrid/ops.py``: three process groups, no window).
 """
+import operator
 from typing import Optional
 
 import torch
@@ -36,14 +37,31 @@ def forward(q, k, v, groups: tuple, options: tuple):
     return call.forward(process_group_comm(mesh), q, k, v, call.documents(cu_seqlens))
 
 
-def fake_forward(q, k, groups: tuple, options: tuple):
+def fake_forward(q, k, v, groups: tuple, options: tuple):
     """A forward op's fake implementation. Traced (torch.compile), the ranks agree here, once per
-    graph (consistency.py)."""
+    graph (consistency.py), and the sizes of q, k and v become constants (``static_sizes``)."""
+    static_sizes(q, k, v)
     call, cu_seqlens = RingCall.from_op_args(groups, *options)
     call.check(SequenceMesh.named(*groups).check_group, q, k, cu_seqlens)
     # Exact mode keeps the merged out in fp32 (its backward reads it); callers cast it.
     out_dtype = torch.float32 if call.precision == "exact" else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def static_sizes(*tensors) -> None:
+    """Every size of ``tensors`` as a constant of the traced graph, where Dynamo's automatic
+    dynamic shapes made it symbolic (a second compile with another sequence length or head count:
+    a benchmark's next row, a batch of another length): ``operator.index`` makes Dynamo
+    specialise it, with a guard on its value, so each length compiles its own graph, the same on
+    every rank. With symbolic sizes, compiled llama3 computed wrong gradients on GPUs, its
+    output right (dq/dk/dv 28-280x the single-GPU kernel's error on 2 and 4 H100s, torch 2.11;
+    specialising the sizes only in the compile pass, after Dynamo, did not help), and the ranks'
+    graphs differed: a third length recompiled on some ranks and not on others, whose exchanges
+    then met the wrong collectives (docs/design.md, "Measurements behind design choices").
+    Packed documents' boundaries stay symbolic: a batch of other documents does not recompile."""
+    for t in tensors:
+        for size in t.shape:
+            operator.index(size)
 
 
 def backward(dout, q, k, v, out, lse, groups: tuple, options: tuple):
@@ -86,7 +104,7 @@ def ring_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_
 
 @ring_attention_fwd.register_fake
 def _(q, k, v, group_name, *options):
-    return fake_forward(q, k, (group_name,), options)
+    return fake_forward(q, k, v, (group_name,), options)
 
 
 @torch.library.custom_op("dtensor_ring::ring_attention_bwd", mutates_args=())

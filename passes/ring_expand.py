@@ -60,7 +60,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
 from torch.distributed.distributed_c10d import _world
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import guard_int
 
 from dtensor_ring import ops as runtime_ops
 from dtensor_ring.call import RingCall
@@ -68,7 +67,7 @@ from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
 from dtensor_ring.hybrid.comm import traced_comms
 
-VERSION = "ring_expand-3"
+VERSION = "ring_expand-4"
 COUNTERS: collections.Counter = collections.Counter()
 
 
@@ -133,7 +132,6 @@ def _expand(graph, node, after) -> None:
     on it so far in the graph, updated with this node's."""
     tensors, fn, posted = _schedule_fn(node, after)
     example = [t.meta["val"] for t in tensors]
-    _static_heads(example)
     with detect_fake_mode(example) or torch._subclasses.FakeTensorMode():
         # Inductor's own decompositions: a post-grad graph may only hold ops inductor lowers.
         sub = make_fx(torch.func.functionalize(fn), select_decomp_table())(*example)
@@ -146,18 +144,6 @@ def _expand(graph, node, after) -> None:
         graph.erase_node(user)
     graph.erase_node(node)
     after.update(zip(posted, results[len(results) - len(posted):]))
-
-
-def _static_heads(example) -> None:
-    """The head counts (dim 1 of q, k, v, out, dout, lse) as constants, where a recompile made
-    them symbolic (automatic dynamic shapes: a second compile with another kv head count, as a
-    benchmark's next row makes): inductor's CUDA code for llama3 with a symbolic kv head count
-    computed wrong gradients (dq/dk/dv 200-280x the single-GPU kernel's error, the output right;
-    2 x H100, torch 2.11; docs/design.md, "Measurements behind design choices"). The guard
-    this adds makes another head count compile its own graph; a model has few."""
-    for t in example:
-        if isinstance(t, torch.Tensor) and t.dim() >= 3 and isinstance(t.shape[1], torch.SymInt):
-            guard_int(t.shape[1])
 
 
 def expand_ring_attention(graph: torch.fx.Graph) -> int:

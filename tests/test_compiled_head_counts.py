@@ -1,16 +1,18 @@
-"""Compiled ring attention keeps its head counts constant.
+"""Compiled ring attention keeps its sizes constant.
 
-A second compile with another kv head count (a benchmark's next row, a model with other kv heads)
-makes the head dims symbolic (automatic dynamic shapes). On 2 H100s, torch 2.11, compiled llama3
-then computed wrong gradients (dq/dk/dv 200-280x the single-GPU kernel's error, its output right)
-where a static compile, aot_eager and CPU inductor were right. The compile pass now specialises
-the head counts before it expands a call (``passes/ring_expand._static_heads``): each head count
-gets its own graph.
+A second compile with another kv head count or sequence length (a benchmark's next row, a batch
+of another length) makes those sizes symbolic (automatic dynamic shapes). On GPUs, torch 2.11,
+compiled llama3 then computed wrong gradients, its output right: dq/dk/dv 200-280x the
+single-GPU kernel's error after another head count (2 H100s), 28-37x after another length (4
+H100s), where static compiles, aot_eager and CPU inductor were right; a third length recompiled
+on some ranks only, and their exchanges met the wrong collectives. The ops' fake implementation
+now specialises every size of q, k and v while Dynamo traces (``dtensor_ring.ops.static_sizes``):
+each head count and length gets its own graph, on every rank.
 
-* On the CPU: the pass's specialisation, on fake tensors whose head dims are symbolic (the
-  sequence stays symbolic).
-* On two or more GPUs: compiled llama3 at 32 then 8 kv heads, against float64 within the usual
-  tolerance of the single-GPU kernel's error (the failure above, reproduced at 2K tokens per GPU).
+* On the CPU: the forward op's fake implementation, on fake tensors whose sizes are symbolic,
+  makes q/k/v's sizes constant and leaves the documents' boundaries symbolic.
+* On 2-4 GPUs: compiled llama3 at 32 then 8 kv heads, then at two other lengths, against
+  float64 within the usual tolerance of the single-GPU kernel's error.
 """
 import pytest
 import torch
@@ -18,10 +20,11 @@ import torch.distributed as dist
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import dtensor_ring as dr
-from dtensor_ring.passes.ring_expand import _static_heads
+from dtensor_ring import ops
 from dtensor_ring.tools.numerics import attention_and_grads, check_ratios, make_inputs, ratios, sdpa
 from dist_utils import run_on_gpus
 
@@ -31,23 +34,31 @@ def _size(shape_env, name, value):
                                                            DimDynamic.DYNAMIC)
 
 
-def test_the_pass_makes_symbolic_head_counts_constant():
+def test_the_fake_forward_makes_symbolic_sizes_constant():
     shape_env = ShapeEnv()
-    heads, kv_heads, seq, boundaries = (_size(shape_env, name, value) for name, value in
-                                        (("heads", 8), ("kv_heads", 2), ("seq", 64),
-                                         ("boundaries", 5)))
+    sizes = {name: _size(shape_env, name, value) for name, value in
+             (("batch", 1), ("heads", 8), ("kv_heads", 2), ("seq", 64), ("dim", 16),
+              ("boundaries", 4))}
     with FakeTensorMode(shape_env=shape_env):
-        q, k = torch.empty(1, heads, seq, 16), torch.empty(1, kv_heads, seq, 16)
-        cu_seqlens = torch.empty(boundaries, dtype=torch.int32)
-    symbols = [x.node.expr for x in (heads, kv_heads, seq, boundaries)]
-    assert not any(shape_env.replace(x).is_number for x in symbols)
-    _static_heads([q, k, cu_seqlens])
-    now = [shape_env.replace(x) for x in symbols]
-    assert now[:2] == [8, 2], now
-    assert not now[2].is_number and not now[3].is_number, now  # the rest stays symbolic
+        q = torch.empty(sizes["batch"], sizes["heads"], sizes["seq"], sizes["dim"])
+        k = torch.empty(sizes["batch"], sizes["kv_heads"], sizes["seq"], sizes["dim"])
+        cu_seqlens = torch.empty(sizes["boundaries"], dtype=torch.int32)
+    symbols = {name: x.node.expr for name, x in sizes.items()}
+    assert not any(shape_env.replace(x).is_number for x in symbols.values())
+    store = FakeStore()
+    dist.init_process_group("fake", store=store, rank=1, world_size=4)
+    try:
+        options = ("llama3", True, 0.25, "cpu_flash", "fp32", cu_seqlens, 64, -1, -1)
+        with shape_env.ignore_fresh_unbacked_symbols():
+            ops.fake_forward(q, k, k, (dist.group.WORLD.group_name,), options)
+    finally:
+        dist.destroy_process_group()
+    now = {name: shape_env.replace(x) for name, x in symbols.items()}
+    assert [now[n] for n in ("batch", "heads", "kv_heads", "seq", "dim")] == [1, 8, 2, 64, 16], now
+    assert not now["boundaries"].is_number, now  # new documents, no new graph
 
 
-def _llama3_after_another_head_count(rank, world):
+def _llama3_after_other_sizes(rank, world):
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
 
     def ring(a, b, c):
@@ -55,17 +66,18 @@ def _llama3_after_another_head_count(rank, world):
 
     compiled = torch.compile(ring, fullgraph=True)
     layout = dr.SCHEDULE_LAYOUT["llama3"]
-    for kv in (32, 8):
-        q, k, v, dout = (x.cuda() for x in make_inputs(1, 32, kv, 2048 * world, 128))
+    for kv, tokens in ((32, 2048), (8, 2048), (8, 1024), (8, 1536)):
+        q, k, v, dout = (x.cuda() for x in make_inputs(1, 32, kv, tokens * world, 128))
         reference = attention_and_grads(sdpa(True), q, k, v, dout, torch.float64)
         single = attention_and_grads(sdpa(True), q, k, v, dout, torch.bfloat16)
         shards = [dr.shard_sequence(x.bfloat16(), mesh, dim=2, layout=layout)
                   for x in (q, k, v, dout)]
         got = [dr.unshard_sequence(x.contiguous(), mesh, dim=2, layout=layout)
                for x in attention_and_grads(compiled, *shards, torch.bfloat16)]
-        check_ratios(ratios(got, single, reference), torch.bfloat16, f"rank {rank}: {kv} kv heads")
+        check_ratios(ratios(got, single, reference), torch.bfloat16,
+                     f"rank {rank}: {kv} kv heads, {tokens} tokens per GPU")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_compiled_llama3_after_another_head_count_on_gpus():
-    run_on_gpus(2, _llama3_after_another_head_count)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs several GPUs")
+def test_compiled_llama3_after_other_sizes_on_gpus():
+    run_on_gpus(min(torch.cuda.device_count(), 4), _llama3_after_other_sizes)

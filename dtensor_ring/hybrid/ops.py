@@ -31,7 +31,7 @@ def hybrid_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, oute
 
 @hybrid_attention_fwd.register_fake
 def _(q, k, v, outer_group, inner_group, whole_group, *options):
-    return fake_forward(q, k, (outer_group, inner_group, whole_group), options)
+    return fake_forward(q, k, v, (outer_group, inner_group, whole_group), options)
 
 
 @torch.library.custom_op("dtensor_ring::hybrid_attention_bwd", mutates_args=())
