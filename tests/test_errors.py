@@ -115,12 +115,18 @@ def test_bad_peer_copy_switch(monkeypatch, value):
     from dtensor_ring.comm import peer_copy  # noqa: PLC0415
     monkeypatch.setenv(peer_copy.ENV, value)
     with pytest.raises(ValueError, match=rf"DTENSOR_RING_PEER_COPY={value!r} is not valid; "
-                                         r"valid: '0' \(NCCL's send/recv\), '1' \(the copy "
+                                         r"valid: '0' \(NCCL's kernels\), '1' \(the copy "
                                          r"engines \(the default\)\)"):
         peer_copy.switched_on_by_env()
     for good, on in (("0", False), ("1", True)):
         monkeypatch.setenv(peer_copy.ENV, good)
         assert peer_copy.switched_on_by_env() is on
+
+
+def test_bad_stream_flag_operation():
+    from dtensor_ring.comm import stream_flags  # noqa: PLC0415
+    with pytest.raises(ValueError, match=r"operation 'add' is not valid; valid: 'wait', 'set'"):
+        stream_flags.Batch([(stream_flags.WAIT, 0, 1), ("add", 0, 1)])
 
 
 def test_stream_flags_say_why_they_cannot_run():

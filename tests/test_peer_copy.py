@@ -1,13 +1,17 @@
-"""The ring shift on the copy engines (``dtensor_ring/comm/peer_copy.py``; two or more GPUs of one
+"""Exchanges on the copy engines (``dtensor_ring/comm/peer_copy.py``; two or more GPUs of one
 host, skipped otherwise).
 
-On W = min(GPUs, 4) NCCL ranks, the ring schedules (ring, zigzag, stripe: the ones that shift
-K/V and dK/dV to the next rank) in fp32 and exact, eagerly and zigzag compiled, run once through
-the copy engines (the default) and once through NCCL's send/recv (``DTENSOR_RING_PEER_COPY=0``,
-on a second process group): both must match float64 within the usual tolerance of the single-GPU
-kernel's error, and the forward's output must be the same bits either way. A second, longer
-sequence grows the arena. The check is shown to fail on a wrong answer: the result unsharded in
-the wrong layout.
+On W = min(GPUs, 4) NCCL ranks, every schedule (ring, zigzag, stripe shift K/V and dK/dV to the
+next rank; llama3 all-gathers K/V and reduce-scatters dK/dV) in fp32 and exact, eagerly, and
+zigzag and llama3 compiled, run once through the copy engines (the default) and once through
+NCCL (``DTENSOR_RING_PEER_COPY=0``, on a second process group): both must match float64 within
+the usual tolerance of the single-GPU kernel's error, and the forward's output must be the same
+bits either way. A second, longer sequence grows the arenas. The check is shown to fail on a
+wrong answer: the result unsharded in the wrong layout.
+
+The collectives alone (all-gather, all-to-all, reduce-scatter), interleaved with ring shifts and
+growing, match NCCL's on random data (the reduce-scatter to fp32 rounding: NCCL sums in its own
+order), eagerly and replayed from a CUDA graph.
 """
 import os
 
@@ -23,8 +27,8 @@ from dist_utils import run_on_gpus
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs several GPUs")
 
-RUNS = [(s, p, False) for s in ("ring", "zigzag", "stripe") for p in ("fp32", "exact")]
-RUNS.append(("zigzag", "fp32", True))
+RUNS = [(s, p, False) for s in ("ring", "zigzag", "stripe", "llama3") for p in ("fp32", "exact")]
+RUNS += [("zigzag", "fp32", True), ("llama3", "fp32", True)]
 
 
 def _results(mesh, schedule, precision, compiled, bf16):
@@ -67,10 +71,87 @@ def _ranks(rank, world):
         ring = peer_copy._RINGS[dist.group.WORLD.group_name]
         assert ring is not None, f"rank {rank}: the copy engines were not used"
         assert peer_copy._RINGS[nccl.get_group().group_name] is None
-        # the largest message: exact's fp32 dK and dV of a rank's rows
-        assert ring.arena.numel() >= 2 * 4 * tokens * 128 * 4
+        # the largest messages: exact's fp32 dK and dV of a rank's rows; llama3's fp32 dK/dV of
+        # a head group (min(4 kv heads, W) groups) for every rank's rows
+        assert ring.arena.buffer.numel() >= 2 * 4 * tokens * 128 * 4, f"rank {rank}"
+        group_heads = -(-4 // min(4, world))
+        assert ring.slots.buffer.numel() >= world * tokens * 2 * group_heads * 128 * 4, f"rank {rank}"
 
 
 def test_copy_engine_shift_matches_nccl_and_float64():
     world = min(torch.cuda.device_count(), 4)
     run_on_gpus(world, _ranks)
+
+
+def _collectives(comm, rank, world, rows, seed):
+    """(all-gather, all-to-all, reduce-scatter) of seeded random data through ``comm``, with a
+    ring shift between each (the shifts use the other arena)."""
+    generator = torch.Generator(device="cuda").manual_seed(seed * 100 + rank)
+    kv = torch.randn(rows, 2, 3, 128, generator=generator, device="cuda").bfloat16()
+    rows_by_rank = torch.randn(world, rows, 5, generator=generator, device="cuda").bfloat16()
+    grads = torch.randn(world, rows, 2, 3, 128, generator=generator, device="cuda")
+    shifted = comm.send_recv_next([kv])
+    gathered = comm.all_gather(kv)
+    shifted_again = comm.send_recv_next([kv + 1])
+    swapped = comm.all_to_all(rows_by_rank)
+    summed = comm.reduce_scatter(grads)
+    return [gathered.wait(), swapped.wait(), summed.wait(), *shifted.wait(), *shifted_again.wait()]
+
+
+def _check_collectives(got, want, where):
+    for name, a, b in zip(("all_gather", "all_to_all"), got[:2], want[:2]):
+        assert torch.equal(a, b), f"{where}: {name} differs from NCCL's"
+    torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-5,
+                               msg=lambda m: f"{where}: reduce_scatter: {m}")
+    assert torch.equal(got[3], want[3]) and torch.equal(got[4], want[4]), f"{where}: shifts"
+
+
+def _collective_ranks(rank, world):
+    from dtensor_ring.comm.process_group import ProcessGroupComm
+    copies = ProcessGroupComm(dist.group.WORLD)
+    os.environ[peer_copy.ENV] = "0"
+    try:
+        nccl = ProcessGroupComm(dist.new_group(list(range(world))))
+        for rows in (64, 4096):  # the second grows the arenas
+            _collectives(nccl, rank, world, rows, 0)
+    finally:
+        del os.environ[peer_copy.ENV]
+    for rows in (64, 4096, 1000):
+        for seed in range(3):
+            where = f"rank {rank}: {rows} rows, seed {seed}"
+            got = _collectives(copies, rank, world, rows, seed)
+            want = _collectives(nccl, rank, world, rows, seed)
+            _check_collectives(got, want, where)
+            with pytest.raises(AssertionError):  # a wrong answer fails the same check
+                _check_collectives([got[0].roll(1, 0), *got[1:]], want, where)
+    assert peer_copy._RINGS[dist.group.WORLD.group_name] is not None, f"rank {rank}"
+    # Replayed from a CUDA graph: the flags come back as they were after each exchange.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        inputs = [torch.zeros(4096, 2, 3, 128, device="cuda").bfloat16(),
+                  torch.zeros(world, 4096, 2, 3, 128, device="cuda")]
+        comm_ops = lambda: (copies.all_gather(inputs[0]).wait(),  # noqa: E731
+                            copies.reduce_scatter(inputs[1]).wait())
+        comm_ops()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            outputs = comm_ops()
+    for replay in range(3):
+        inputs[0].fill_(rank + 10 * replay)
+        inputs[1].copy_(torch.arange(world, device="cuda").view(world, 1, 1, 1, 1) + replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        where = f"rank {rank}: replay {replay}"
+        expected = torch.arange(world, device="cuda").float() + 10 * replay
+        assert torch.equal(outputs[0].float().flatten(1).amax(1), expected), where
+        assert torch.equal(outputs[0].float().flatten(1).amin(1), expected), where
+        assert torch.all(outputs[1] == world * (rank + replay)), where
+        eager = copies.all_gather(inputs[0]).wait()  # eager exchanges between replays
+        assert torch.equal(eager, outputs[0]), where
+
+
+def test_copy_engine_collectives_match_nccl():
+    world = min(torch.cuda.device_count(), 4)
+    run_on_gpus(world, _collective_ranks)

@@ -1,14 +1,15 @@
-"""The ring shift on the GPUs' copy engines: each rank writes its K/V (or dK/dV) straight into the
-next rank's memory with ``cudaMemcpyAsync`` through PyTorch's symmetric memory, instead of running
-NCCL's send/recv kernels.
+"""Exchanges on the GPUs' copy engines: each rank writes its K/V (or dK/dV) straight into its
+peers' memory with ``cudaMemcpyAsync`` through PyTorch's symmetric memory, instead of running
+NCCL's send/recv or collective kernels. The ring shift (zigzag, ring, stripe) and the collectives
+(llama3's all-gather and reduce-scatter, the hybrid's all-to-all).
 
 Why: NCCL's send/recv are kernels; they take SMs from the attention kernel they overlap and move
 a hop at a fraction of NVLink's rate, so with many heads the transfer outlasts the step it should
 hide behind. A copy engine moves the bytes without any SM (docs/design.md, "The ring shift on the
 copy engines", gives the measurements).
 
-One call, on a side stream of high priority, after what the compute stream had queued when the
-call began (``send_recv_next``: its ``overlapping`` compute launches before the post):
+One ring shift, on a side stream of high priority, after what the compute stream had queued when
+the call began (``send_recv_next``: its ``overlapping`` compute launches before the post):
 
     wait  FREE      rank+1 has emptied its arena (set by rank+1 after its last copy out)
     copy  ->  next  this rank's tensors into rank+1's arena (copy engine, over NVLink)
@@ -19,23 +20,32 @@ call began (``send_recv_next``: its ``overlapping`` compute launches before the 
     set   FREE      in rank-1's flags: this arena is empty again
     event           ``wait()`` makes the compute stream wait for it
 
+A collective does the same with every peer, through a second arena of W slots (slot p holds
+rank p's piece) and a pair of flags per peer: wait every FREE_FROM[p] (peer p has emptied this
+rank's slot in its arena), copy the piece for each p into that slot (p = rank+1, rank+2, ...),
+set each p's LANDED_FROM[rank], wait every LANDED_FROM[p], read the slots into the result in one
+or two passes (all-gather and all-to-all: copied out; reduce-scatter: this rank's own piece
+copied into its own slot and the W slots summed), and set each p's FREE_FROM[rank]. Every
+transfer is direct, none relayed, and the only SM work is that last pass.
+
 The flags are words in symmetric memory, set and awaited by the streams' front ends
 (``stream_flags.py``), not by kernels: a cuDNN kernel running on the compute stream holds every
 SM, and a barrier kernel would wait for it to drain before the shift could land. Each flag is
-reset by the rank that waits for it, right after the wait, so a shift leaves the flags as it
-found them (FREE set, LANDED clear), and a CUDA graph that captured shifts replays them.
+reset by the rank that waits for it, right after the wait, so an exchange leaves the flags as it
+found them (FREE set, LANDED clear), and a CUDA graph that captured exchanges replays them.
 
 The result is copied out of the arena so that it is an ordinary tensor, owned by its caller
 (inductor may reuse a custom op's output buffer for anything once it is dead; a peer writing into
-it later would corrupt that), and so that one arena per process group serves every call in turn:
-calls run one after another on the side stream. The arena is the largest message sent so far
-(kept for the process's life, like NCCL's own buffers; it grows, collectively, when a larger
-message comes).
+it later would corrupt that), and so that the two arenas per process group serve every call in
+turn: calls run one after another on the side stream. An arena is the largest message sent
+through it so far (kept for the process's life, like NCCL's own buffers; it grows, collectively,
+when a larger message comes).
 
-Used where every rank of the group can reach the next one's memory: NCCL groups of CUDA ranks on
-one host with peer access and a driver that runs stream memory operations, agreed by all ranks
-the first time a group shifts (a collective, so that first shift must not be inside a CUDA graph
-capture). ``DTENSOR_RING_PEER_COPY=0`` keeps NCCL's send/recv. Elsewhere (gloo, several hosts) ``ProcessGroupComm`` uses NCCL or gloo as before.
+Used where every rank of the group can reach every other one's memory: NCCL groups of CUDA ranks
+on one host with peer access and a driver that runs stream memory operations, agreed by all
+ranks the first time a group exchanges (a collective, so that first exchange must not be inside
+a CUDA graph capture). ``DTENSOR_RING_PEER_COPY=0`` keeps NCCL. Elsewhere (gloo, several hosts)
+``ProcessGroupComm`` uses NCCL or gloo as before.
 """
 import os
 import socket
@@ -47,11 +57,14 @@ import torch
 import torch.distributed as dist
 
 from . import stream_flags
+from .stream_flags import SET, WAIT, Batch
 
 ENV = "DTENSOR_RING_PEER_COPY"
-SWITCH = {"0": "NCCL's send/recv", "1": "the copy engines (the default)"}  # ENV's values
+SWITCH = {"0": "NCCL's kernels", "1": "the copy engines (the default)"}  # ENV's values
 _ALIGN = 256  # bytes: each tensor's place in the arena starts on such a boundary
-LANDED, FREE = 0, 1  # the flag words of a rank (int32): see the module docstring
+# A rank's flag words (int32; see the module docstring): the ring's LANDED and FREE, then the
+# collectives' LANDED_FROM + p and FREE_FROM + p for each rank p of the group
+LANDED, FREE, LANDED_FROM = 0, 1, 2  # FREE_FROM: LANDED_FROM + W
 
 _RINGS: dict = {}  # process group name -> PeerCopyRing, or None where peer copies are not used
 
@@ -66,10 +79,9 @@ def peer_copy_ring(group) -> Optional["PeerCopyRing"]:
 
 
 def _agreed(group) -> bool:
-    """Whether every rank can write into the next rank's memory: CUDA, NCCL, one host, peer
-    access both ways round the ring, symmetric memory importable, stream memory operations,
-    not switched off."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    """Whether every rank can write into every other rank's memory: CUDA, NCCL, one host, peer
+    access, symmetric memory importable, stream memory operations, not switched off."""
+    world = dist.get_world_size(group)
     if dist.get_backend(group) != "nccl" or world == 1:
         return False
     switched_on = switched_on_by_env()  # before any collective: a bad value fails every rank
@@ -81,9 +93,9 @@ def _agreed(group) -> bool:
     rows = everyone.tolist()
     hosts, devices = {host for host, _ in rows}, [index for _, index in rows]
     ok = (switched_on and len(hosts) == 1 and _symmetric_memory() is not None
-          and stream_flags.unusable_because() is None and all(torch.cuda.can_device_access_peer(device.index, devices[peer])
-                              for peer in ((rank + 1) % world, (rank - 1) % world)
-                              if devices[peer] != device.index))
+          and stream_flags.unusable_because() is None
+          and all(torch.cuda.can_device_access_peer(device.index, index)
+                  for index in set(devices) - {device.index}))
     flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
@@ -119,73 +131,87 @@ class _Landed:
         return self.received
 
 
+class _Arena:
+    """A symmetric buffer of one group, grown collectively, and the views of it that messages use
+    (made once per message shape: a call posts several, and making views costs host time)."""
+
+    def __init__(self, group_name: str, stream):
+        self.group_name, self.stream = group_name, stream
+        self.buffer, self.handle = None, None
+        self._views: dict = {}
+
+    def views(self, key, nbytes: int, device, make):
+        """``make(handle)``'s views for ``key``, in an arena of at least ``nbytes`` (collective the
+        first time a key comes: every rank asks for the same size)."""
+        views = self._views.get(key)
+        if views is None:
+            self._reserve(nbytes, device)  # a new buffer drops the views
+            views = self._views[key] = make(self.handle)
+        return views
+
+    def _reserve(self, nbytes: int, device) -> None:
+        if self.buffer is not None and self.buffer.numel() >= nbytes:
+            return
+        # Idle here means idle everywhere that touches this buffer: the last exchange here
+        # waited for every copy into it, and its own copies into the peers' are done.
+        self.stream.synchronize()
+        self._views.clear()
+        self.buffer = _symmetric_memory().empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = _symmetric_memory().rendezvous(self.buffer, self.group_name)
+
+
 class PeerCopyRing:
-    """Ring shifts of one process group through a symmetric arena (see the module docstring)."""
+    """Ring shifts and collectives of one process group through symmetric arenas (see the module
+    docstring)."""
 
     def __init__(self, group):
         self.group_name = group.group_name
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.stream = torch.cuda.Stream(priority=-1)
-        self.arena, self.handle = None, None
-        self._plans: dict = {}  # message shape -> _plan's views
-        # the flag words' addresses: this rank's FREE and LANDED, rank+1's LANDED, rank-1's FREE
-        self._free, self._landed, self._next_landed, self._prev_free = self._flag_words()
+        # one arena for the ring shifts, one for the collectives: a rank ahead of its peers may
+        # start the next exchange while they finish this one, and each arena's flags guard only
+        # its own exchanges
+        self.arena = _Arena(self.group_name, self.stream)
+        self.slots = _Arena(self.group_name, self.stream)
+        self._flag_words()
 
-    def _flag_words(self) -> tuple:
-        """This rank's flag words, FREE set and LANDED clear before any peer can see them; the
-        addresses the shifts use (collective)."""
-        symm_mem = _symmetric_memory()
+    def _flag_words(self) -> None:
+        """This rank's flag words, FREE and FREE_FROM set, the LANDED words clear, before any
+        peer can see them; the batches of waits and sets the exchanges post (collective)."""
+        symm_mem, world = _symmetric_memory(), self.world_size
+        free_from, words = LANDED_FROM + world, LANDED_FROM + 2 * world
         _enable(symm_mem, self.group_name)
-        self.flags = symm_mem.empty(2, dtype=torch.int32, device="cuda")
-        self.flags[LANDED], self.flags[FREE] = 0, 1
+        self.flags = symm_mem.empty(words, dtype=torch.int32, device="cuda")
+        self.flags.zero_()
+        self.flags[FREE] = 1
+        self.flags[free_from:] = 1
         torch.cuda.synchronize()
         handle = symm_mem.rendezvous(self.flags, self.group_name)
         handle.barrier(channel=0)  # no rank sets a peer's flag before the peer has set its own
         torch.cuda.synchronize()
 
         def word(rank, index):
-            return handle.get_buffer(rank % self.world_size, [2], torch.int32, 0)[index].data_ptr()
-        return (word(self.rank, FREE), word(self.rank, LANDED), word(self.rank + 1, LANDED),
-                word(self.rank - 1, FREE))
+            return handle.get_buffer(rank % world, [words], torch.int32, 0)[index].data_ptr()
+        r, peers = self.rank, [(self.rank + i) % world for i in range(1, world)]
+        free, landed = word(r, FREE), word(r, LANDED)
+        # the ring shift (module docstring): before the copy, after it, after the copy out
+        self._ring_steps = (
+            Batch([(WAIT, free, 1), (SET, free, 0)]),
+            Batch([(SET, word(r + 1, LANDED), 1), (WAIT, landed, 1), (SET, landed, 0)]),
+            Batch([(SET, word(r - 1, FREE), 1)]))
+        # the collectives, per peer p: this rank's words for p, and p's words for this rank
+        mine_free = [word(r, free_from + p) for p in peers]
+        mine_landed = [word(r, LANDED_FROM + p) for p in peers]
+        self._peers = peers
+        self._collective_steps = (
+            Batch([(WAIT, a, 1) for a in mine_free] + [(SET, a, 0) for a in mine_free]),
+            Batch([(SET, word(p, LANDED_FROM + r), 1) for p in peers]
+                  + [(WAIT, a, 1) for a in mine_landed] + [(SET, a, 0) for a in mine_landed]),
+            Batch([(SET, word(p, free_from + r), 1) for p in peers]))
 
-    def _reserve(self, nbytes: int, device) -> None:
-        """An arena of at least ``nbytes`` (collective: every rank asks for the same size)."""
-        if self.arena is not None and self.arena.numel() >= nbytes:
-            return
-        # Idle here means idle everywhere that touches this arena: the last shift here waited
-        # for rank-1's copy into it, and its own copy into rank+1's is done.
-        self.stream.synchronize()
-        self._plans.clear()
-        self.arena = _symmetric_memory().empty(nbytes, dtype=torch.uint8, device=device)
-        self.handle = _symmetric_memory().rendezvous(self.arena, self.group_name)
-
-    def _plan(self, tensors) -> tuple[list, list]:
-        """Where ``tensors`` go in the arena: (views of rank+1's arena, views of this rank's),
-        made once per message shape (a call posts several; making views costs host time)."""
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        plan = self._plans.get(key)
-        if plan is None:
-            offsets, total = [], 0
-            for t in tensors:
-                offsets.append(total)
-                total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-            self._reserve(total, tensors[0].device)  # a new arena drops the plans
-            plan = self._plans[key] = tuple(
-                [self.handle.get_buffer(rank, list(t.shape), t.dtype, offset // t.element_size())
-                 for t, offset in zip(tensors, offsets)]
-                for rank in ((self.rank + 1) % self.world_size, self.rank))
-        return plan
-
-    def send_recv_next(self, tensors: list[torch.Tensor], overlapping=None) -> _Landed:
-        """``Communicator.send_recv_next``: ``tensors`` (contiguous, on this rank's GPU) to rank+1;
-        ``wait()`` gives those of rank-1, fresh tensors of the same shapes.
-
-        ``overlapping`` is launched first: the copies need no SM, so they can follow its kernels
-        onto the GPU and still run beside them, and its first kernel starts without waiting for
-        this post's host time. The copies wait only for what was queued before it."""
-        theirs, mine = self._plan(tensors)
-        # allocated before ``overlapping``: no block its compute still uses can become them
-        received = [torch.empty_like(t) for t in tensors]
+    def _post(self, sending, received, overlapping, steps) -> torch.cuda.Event:
+        """Runs ``steps`` on the side stream after what the compute stream has queued (after
+        ``overlapping``'s launch when given); the event marks their end."""
         stream = self.stream
         if overlapping is None:
             stream.wait_stream(torch.cuda.current_stream())
@@ -195,21 +221,108 @@ class PeerCopyRing:
             overlapping()
             stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            stream_flags.wait_flag(stream, self._free, 1)
-            stream_flags.set_flag(stream, self._free, 0)
-            for place, t in zip(theirs, tensors):
-                place.copy_(t)
-            stream_flags.set_flag(stream, self._next_landed, 1)
-            stream_flags.wait_flag(stream, self._landed, 1)
-            stream_flags.set_flag(stream, self._landed, 0)
-            for r, place in zip(received, mine):
-                r.copy_(place)
-            stream_flags.set_flag(stream, self._prev_free, 1)
+            steps()
             landed = torch.cuda.Event()
             landed.record(stream)
-        for t in tensors + received:  # the caching allocator keeps them until the copies ran
+        for t in sending + received:  # the caching allocator keeps them until the copies ran
             t.record_stream(stream)
-        return _Landed(landed, received)
+        return landed
+
+    def send_recv_next(self, tensors: list[torch.Tensor], overlapping=None) -> _Landed:
+        """``Communicator.send_recv_next``: ``tensors`` (contiguous, on this rank's GPU) to rank+1;
+        ``wait()`` gives those of rank-1, fresh tensors of the same shapes.
+
+        ``overlapping`` is launched first: the copies need no SM, so they can follow its kernels
+        onto the GPU and still run beside them, and its first kernel starts without waiting for
+        this post's host time. The copies wait only for what was queued before it."""
+        theirs, mine = self._ring_views(tensors)
+        # allocated before ``overlapping``: no block its compute still uses can become them
+        received = [torch.empty_like(t) for t in tensors]
+        before, after, emptied = self._ring_steps
+
+        def steps():
+            before.post(self.stream)
+            for place, t in zip(theirs, tensors):
+                place.copy_(t)
+            after.post(self.stream)
+            for r, place in zip(received, mine):
+                r.copy_(place)
+            emptied.post(self.stream)
+        return _Landed(self._post(tensors, received, overlapping, steps), received)
+
+    def _ring_views(self, tensors) -> tuple[list, list]:
+        """Where ``tensors`` go in the ring's arena: (views of rank+1's, views of this rank's)."""
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+
+        def make(handle):
+            return tuple([handle.get_buffer(rank, list(t.shape), t.dtype, offset // t.element_size())
+                          for t, offset in zip(tensors, offsets)]
+                         for rank in ((self.rank + 1) % self.world_size, self.rank))
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        return self.arena.views(key, total, tensors[0].device, make)
+
+    def _slot_views(self, piece: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """The collectives' arena as W slots of ``piece``'s shape, slot p for rank p's piece:
+        (this rank's slot in each peer's arena, this rank's slots [W, ...])."""
+        world, shape = self.world_size, [self.world_size, *piece.shape]
+
+        def make(handle):
+            return ([handle.get_buffer(p, shape, piece.dtype, 0)[self.rank] for p in range(world)],
+                    handle.get_buffer(self.rank, shape, piece.dtype, 0))
+        nbytes = world * piece.numel() * piece.element_size()
+        return self.slots.views((tuple(piece.shape), piece.dtype), nbytes, piece.device, make)
+
+    def _to_every_peer(self, pieces, theirs, take) -> None:
+        """On the side stream: ``pieces[p]`` into this rank's slot of peer p's arena, for every
+        peer; once every peer's piece has landed here, ``take()`` reads this rank's slots, and
+        they are marked free. Peers in the order rank+1, rank+2, ...: at each moment the ranks
+        write to different GPUs."""
+        before, after, emptied = self._collective_steps
+        before.post(self.stream)
+        for p in self._peers:
+            theirs[p].copy_(pieces[p])
+        after.post(self.stream)
+        take()
+        emptied.post(self.stream)
+
+    def _exchange(self, pieces: list[torch.Tensor], own: torch.Tensor, sending) -> _Landed:
+        """[W, ...]: row p what rank p's ``pieces[this rank]`` was, this rank's row ``own``."""
+        r, world = self.rank, self.world_size
+        theirs, mine = self._slot_views(own)
+        received = own.new_empty(world, *own.shape)
+        received[r].copy_(own)  # on the compute stream, before the post
+        others = [part for part in (slice(0, r), slice(r + 1, world)) if part.start < part.stop]
+
+        def take():
+            for part in others:
+                received[part].copy_(mine[part])
+        steps = lambda: self._to_every_peer(pieces, theirs, take)  # noqa: E731
+        return _Landed(self._post(sending, [received], None, steps), received)
+
+    def all_gather(self, tensor: torch.Tensor) -> _Landed:
+        """``Communicator.all_gather`` (``tensor`` contiguous): written into every peer's arena."""
+        return self._exchange([tensor] * self.world_size, tensor, [tensor])
+
+    def all_to_all(self, tensor: torch.Tensor) -> _Landed:
+        """``ProcessGroupComm.all_to_all`` (``tensor`` contiguous, [W, ...]): row p into peer p's
+        arena."""
+        return self._exchange(list(tensor.unbind(0)), tensor[self.rank], [tensor])
+
+    def reduce_scatter(self, parts: torch.Tensor) -> _Landed:
+        """``Communicator.reduce_scatter`` (``parts`` contiguous, [W, ...]): row p into peer p's
+        arena; the received rows and this rank's own summed in one pass (fp32 where they are)."""
+        r = self.rank
+        theirs, mine = self._slot_views(parts[r])
+        total = torch.empty_like(parts[r])
+
+        def take():
+            mine[r].copy_(parts[r])  # this rank's slot: no peer writes it
+            torch.sum(mine, 0, out=total)
+        steps = lambda: self._to_every_peer(list(parts.unbind(0)), theirs, take)  # noqa: E731
+        return _Landed(self._post([parts], [total], None, steps), total)
 
 
 def _enable(symm_mem, group_name: str) -> None:

@@ -67,8 +67,8 @@ class ProcessGroupComm:
         _count("send_recv_next", tensors)
         # Dense buffers (a model's k/v may be transposed views), for NCCL and the copy engines.
         tensors = [t.contiguous() for t in tensors]
-        ring = peer_copy_ring(self.group) if self._nccl else None
-        if ring is not None:  # one host: the copy engines (peer_copy.py), no SM to make room for
+        ring = self._copy_engines()
+        if ring is not None:  # no SM to make room for
             return ring.send_recv_next(tensors, overlapping)
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in tensors]
@@ -95,8 +95,15 @@ class ProcessGroupComm:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
         return _Works(works, received)
 
+    def _copy_engines(self):
+        """The group's ``PeerCopyRing`` (one host: the copy engines, ``peer_copy.py``), or None."""
+        return peer_copy_ring(self.group) if self._nccl else None
+
     def all_gather(self, tensor):
         _count("all_gather", [tensor])
+        ring = self._copy_engines()
+        if ring is not None:
+            return ring.all_gather(tensor.contiguous())
         # The collectives concatenate along dim 0; flatten the leading dims so any rank works.
         flat = tensor.contiguous().view(-1, *tensor.shape[-1:])
         gathered = flat.new_empty((self.world_size * flat.shape[0], flat.shape[1]))
@@ -110,6 +117,9 @@ class ProcessGroupComm:
             return _Done(tensor)
         _count("all_to_all", [tensor])
         tensor = tensor.contiguous()
+        ring = self._copy_engines()
+        if ring is not None:
+            return ring.all_to_all(tensor)
         received = torch.empty_like(tensor)
         work = dist.all_to_all_single(received, tensor, group=self.group, async_op=True)
         if self._nccl:
@@ -119,6 +129,9 @@ class ProcessGroupComm:
     def reduce_scatter(self, tensor):
         _count("reduce_scatter", [tensor])
         tensor = tensor.contiguous()
+        ring = self._copy_engines()
+        if ring is not None:
+            return ring.reduce_scatter(tensor)
         if self._nccl:
             out = tensor.new_empty(tensor.shape[1:])
             work = _reduce_scatter_tensor(out.view(-1), tensor.view(-1), group=self.group,

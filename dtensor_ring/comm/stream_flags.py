@@ -1,5 +1,5 @@
 """Flag words in GPU memory that a stream sets, or waits for, through the CUDA driver's stream
-memory operations (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``).
+memory operations (``cuStreamBatchMemOp``: waits and writes of 32-bit words).
 
 Why not a kernel: the stream's front end carries these out, with no SM. A running cuDNN
 attention kernel holds every SM, so a kernel that waits for a peer (symmetric memory's barrier)
@@ -7,45 +7,66 @@ can start only as that kernel drains: a ring shift then lands late (docs/design.
 shift on the copy engines"). A stream memory operation waits beside the running kernel.
 
 The address may be in this GPU's memory or in a peer's (symmetric memory maps the peers'
-buffers into this process). ``set_flag`` puts a memory barrier before its write, so whatever the
-stream wrote before it (a copy into a peer's buffer) is visible to whoever sees the flag set.
+buffers into this process). A write comes after a memory barrier, so whatever the stream wrote
+before it (a copy into a peer's buffer) is visible to whoever sees the flag set.
+
+Why batches: an exchange with W - 1 peers waits for and sets 4 (W - 1) words; one driver call
+per word cost host time before the step's compute could be queued (docs/design.md, "Host time of
+an eager call"). A ``Batch`` is built once, for fixed addresses, and queued in one call.
 """
 import ctypes
 from typing import Optional
 
+WAIT, SET = "wait", "set"  # a Batch's operations
+
+_WAIT_VALUE_32, _WRITE_VALUE_32 = 1, 2  # CU_STREAM_MEM_OP_WAIT_VALUE_32, .._WRITE_VALUE_32
 _WAIT_EQUAL = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_AFTER_BARRIER = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory barrier, then the write
-_driver = None
 
 
-def _functions():
-    global _driver
-    if _driver is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        args = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        _driver = (lib.cuStreamWaitValue32_v2, lib.cuStreamWriteValue32_v2)
-        for function in _driver:
-            function.argtypes, function.restype = args, ctypes.c_int
-    return _driver
+class _WaitOrWrite(ctypes.Structure):  # CUstreamMemOpWaitValueParams_st / ..WriteValueParams_st
+    _fields_ = [("operation", ctypes.c_uint32), ("address", ctypes.c_uint64),
+                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("alias", ctypes.c_uint64)]
 
 
-def _check(name: str, result: int) -> None:
-    if result != 0:
-        raise RuntimeError(f"{name} failed: CUresult {result}")
+class _Params(ctypes.Union):  # CUstreamBatchMemOpParams: 48 bytes
+    _fields_ = [("op", _WaitOrWrite), ("pad", ctypes.c_uint64 * 6)]
 
 
-def wait_flag(stream, address: int, value: int) -> None:
-    """Work queued on ``stream`` after this waits until the word at ``address`` equals ``value``."""
-    wait, _ = _functions()
-    _check("cuStreamWaitValue32", wait(stream.cuda_stream, address, value, _WAIT_EQUAL))
+_batch_mem_op = None
 
 
-def set_flag(stream, address: int, value: int) -> None:
-    """``stream`` writes ``value`` to the word at ``address`` once its earlier work is done and
+def _function():
+    global _batch_mem_op
+    if _batch_mem_op is None:
+        function = ctypes.CDLL("libcuda.so.1").cuStreamBatchMemOp_v2
+        function.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(_Params), ctypes.c_uint]
+        function.restype = ctypes.c_int
+        _batch_mem_op = function
+    return _batch_mem_op
+
+
+class Batch:
+    """Stream memory operations on 32-bit words, queued in order by one driver call:
+    ``(WAIT, address, value)``: the stream's later work waits until the word equals ``value``;
+    ``(SET, address, value)``: the stream writes ``value`` once its earlier work is done and
     visible."""
-    _, write = _functions()
-    _check("cuStreamWriteValue32", write(stream.cuda_stream, address, value,
-                                         _WRITE_AFTER_BARRIER))
+
+    def __init__(self, operations):
+        self._count = len(operations)
+        self._params = (_Params * self._count)()
+        for params, (kind, address, value) in zip(self._params, operations):
+            if kind not in (WAIT, SET):
+                raise ValueError(f"operation {kind!r} is not valid; valid: {WAIT!r}, {SET!r}")
+            params.op.operation = _WAIT_VALUE_32 if kind == WAIT else _WRITE_VALUE_32
+            params.op.address, params.op.value = address, value
+            params.op.flags = _WAIT_EQUAL if kind == WAIT else _WRITE_AFTER_BARRIER
+        self._function = _function()
+
+    def post(self, stream) -> None:
+        result = self._function(stream.cuda_stream, self._count, self._params, 0)
+        if result != 0:
+            raise RuntimeError(f"cuStreamBatchMemOp failed: CUresult {result}")
 
 
 def unusable_because() -> Optional[str]:
@@ -53,12 +74,12 @@ def unusable_because() -> Optional[str]:
     (no driver library, or the driver refuses stream memory operations)."""
     import torch  # noqa: PLC0415 (the comm package imports without CUDA)
     try:
-        _functions()
-        word = torch.zeros(1, dtype=torch.int32, device="cuda")
+        _function()  # the driver first: without it there is no GPU to ask
+        word = torch.zeros(2, dtype=torch.int32, device="cuda")
         stream = torch.cuda.current_stream()
-        set_flag(stream, word.data_ptr(), 7)
-        wait_flag(stream, word.data_ptr(), 7)
+        first, second = word[0].data_ptr(), word[1].data_ptr()
+        Batch([(SET, first, 7), (WAIT, first, 7), (SET, second, 9)]).post(stream)
         stream.synchronize()
     except (OSError, AttributeError, RuntimeError) as error:
         return str(error)
-    return None if word.item() == 7 else "the flag was not written"
+    return None if word.tolist() == [7, 9] else "the flags were not written"
