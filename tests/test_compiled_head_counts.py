@@ -21,7 +21,8 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch._dynamo.testing import CompileCounter
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError, DimDynamic, ShapeEnv
 
 import dtensor_ring as dr
 from dtensor_ring import ops
@@ -56,6 +57,34 @@ def test_the_fake_forward_makes_symbolic_sizes_constant():
     now = {name: shape_env.replace(x) for name, x in symbols.items()}
     assert [now[n] for n in ("batch", "heads", "kv_heads", "seq", "dim")] == [1, 8, 2, 64, 16], now
     assert not now["boundaries"].is_number, now  # new documents, no new graph
+
+
+def test_compiled_lengths_each_get_a_graph_and_a_length_marked_dynamic_is_refused():
+    """End to end through Dynamo, on a fake world of 4 ranks (its exchanges move no data): a
+    second length compiles a second graph (without ``static_sizes`` it would reuse one graph with
+    a symbolic length), ``maybe_mark_dynamic`` included; ``mark_dynamic``, a promise that the
+    length stays symbolic, is refused with Dynamo's own error naming the size."""
+    store = FakeStore()
+    dist.init_process_group("fake", store=store, rank=1, world_size=4)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+
+        def ring(q, k, v):
+            return dr.ring_attention(q, k, v, mesh=mesh, schedule="zigzag", is_causal=True)
+
+        counter = CompileCounter()
+        compiled = torch.compile(ring, backend=counter, fullgraph=True)
+        for length in (32, 48, 64):
+            q, k = torch.randn(1, 4, length, 16), torch.randn(1, 2, length, 16)
+            torch._dynamo.maybe_mark_dynamic(q, 2)
+            compiled(q, k, k)
+        assert counter.frame_count == 3, counter.frame_count
+        q, k = torch.randn(1, 4, 80, 16), torch.randn(1, 2, 80, 16)
+        torch._dynamo.mark_dynamic(q, 2)
+        with pytest.raises(ConstraintViolationError, match=r"L\['q'\]\.size\(\)\[2\]"):
+            torch.compile(ring, backend="eager", fullgraph=True)(q, k, k)
+    finally:
+        dist.destroy_process_group()
 
 
 def _llama3_after_other_sizes(rank, world):
