@@ -313,7 +313,8 @@ class PeerCopyRing:
 
     def reduce_scatter(self, parts: torch.Tensor) -> _Landed:
         """``Communicator.reduce_scatter`` (``parts`` contiguous, [W, ...]): row p into peer p's
-        arena; the received rows and this rank's own summed in one pass (fp32 where they are)."""
+        arena; this rank's own row copied into its own slot, then the W slots summed in one pass
+        (in their dtype: fp32 for the schedules' dK/dV)."""
         r = self.rank
         theirs, mine = self._slot_views(parts[r])
         total = torch.empty_like(parts[r])
