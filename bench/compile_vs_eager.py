@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dtensor_ring as dr
 from dtensor_ring.tools.numerics import fwd_bwd
+from report import versions
 from timing import median_ms
 from dtensor_ring import passes
 
@@ -71,7 +72,7 @@ def main():
                                        if k.startswith("expanded")) - before,
             "graph_breaks": sum(counters["graph_break"].values()) - breaks})
     if rank == 0:
-        meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+        meta = {**versions("cuda"),
                 "world_size": world, "tokens_per_gpu": args.tokens_per_gpu, "seq": seq,
                 "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                 "dtype": "bfloat16", "causal": True}

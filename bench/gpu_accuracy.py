@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dtensor_ring as dr
 from dtensor_ring.tools.numerics import errors, fwd_bwd
+from report import versions
 from timing import median_ms
 
 # (our backend, precision, the single-GPU SDPA kernel it is compared with)
@@ -110,8 +111,7 @@ def main():
                 "ideal_fwd_ms": ideal_fwd, "ideal_fwd_bwd_ms": ideal_fb,
                 "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
     if rank == 0:
-        meta = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-                "gpu": torch.cuda.get_device_name(), "world_size": world, "seq": args.seq,
+        meta = {**versions("cuda"), "world_size": world, "seq": args.seq,
                 "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                 "dtype": "bfloat16", "causal": True}
         with open(args.out, "w") as f:

@@ -78,7 +78,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -755,7 +754,7 @@ class Clock:
 def meta(args, argv):
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python bench/per_rank.py " + shlex.join(argv),
-            "git_commit": git_commit(), "device": args.device, "world": args.world,
+            "device": args.device, "world": args.world,
             "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
             "dtype": args.dtype, "causal": not args.no_causal, "iters": args.iters,
             "warmup": args.warmup, "fp32_backend": args.fp32_backend, "layout": args.layout,
@@ -764,7 +763,7 @@ def meta(args, argv):
             else None, "capture": args.capture, "budget_s": args.budget_s,
             "host": {"cpu": cpu_name(),
                      "cpu_count": os.cpu_count(), "python": platform.python_version()}}
-    info.update(versions(args.device))
+    info.update(versions(args.device))  # git_commit among them
     if _cuda(args.device):
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         info.update(gpu_memory_gib=props.total_memory / 2**30, gpu_sms=props.multi_processor_count,
@@ -781,18 +780,6 @@ def cpu_name():
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def git_commit():
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("+dirty" if dirty else "")) or None
 
 
 def sweep(args, info, clock):

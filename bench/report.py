@@ -2,13 +2,30 @@
 rewritten atomically (so a run stopped midway leaves the rows it measured)."""
 import json
 import os
+import subprocess
+from pathlib import Path
 
 import torch
 
 
+def git_commit():
+    """The tree's commit (``+dirty`` with changes to tracked files), or None outside a git
+    checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
 def versions(device):
-    """torch, Triton and, on CUDA, the GPU, cuDNN, CUDA and NCCL versions."""
-    info = {"torch": torch.__version__}
+    """The commit (``git_commit``), torch, Triton and, on CUDA, the GPU, cuDNN, CUDA and NCCL
+    versions."""
+    info = {"git_commit": git_commit(), "torch": torch.__version__}
     try:
         import triton  # noqa: PLC0415 - optional
         info["triton"] = triton.__version__

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import versions  # noqa: E402
 from timing import local_median_ms  # noqa: E402
 
 from dtensor_ring.kernels.base import CAUSAL, NONE  # noqa: E402
@@ -188,8 +189,7 @@ def main():
     print("best:", {part: tiles._asdict() for part, tiles in chosen.items()}, flush=True)
     versus_cudnn(chosen, all_cases, args, rows)
     accuracy(chosen, args, rows)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                cudnn=torch.backends.cudnn.version(), argv=sys.argv, seconds=time.time() - started,
+    meta = dict(versions("cuda"), argv=sys.argv, seconds=time.time() - started,
                 best={part: tiles._asdict() for part, tiles in chosen.items()})
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 

@@ -72,3 +72,13 @@ def test_mesh_parsed_as_ring_by_all_to_all_ranks(capsys):
         speed.parse_args(["--mesh", "2by2"])
     assert "argument --mesh: '2by2' is not OxI (ring ranks x all-to-all ranks" in (
         capsys.readouterr().err)
+
+
+def test_every_benchmark_json_names_its_commit():
+    """``report.versions`` (every benchmark's meta) carries the tree's commit, as docs/results.md
+    needs: a hash, ``+dirty`` where tracked files changed."""
+    import re  # noqa: PLC0415
+
+    import report  # noqa: PLC0415
+    commit = report.versions("cpu")["git_commit"]
+    assert commit is not None and re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", commit), commit
