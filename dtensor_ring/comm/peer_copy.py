@@ -5,8 +5,8 @@ NCCL's send/recv or collective kernels. The ring shift (zigzag, ring, stripe) an
 
 Why: NCCL's send/recv are kernels; they take SMs from the attention kernel they overlap and move
 a hop at a fraction of NVLink's rate, so with many heads the transfer outlasts the step it should
-hide behind. A copy engine moves the bytes without any SM (docs/design.md, "The ring shift on the
-copy engines", gives the measurements).
+hide behind. A copy engine moves the bytes without any SM (docs/design.md, "Where the time goes
+on real ranks", gives the measurements).
 
 One ring shift, on a side stream of high priority, after what the compute stream had queued when
 the call began (``send_recv_next``: its ``overlapping`` compute launches before the post):
@@ -288,8 +288,10 @@ class PeerCopyRing:
         take()
         emptied.post(self.stream)
 
-    def _exchange(self, pieces: list[torch.Tensor], own: torch.Tensor, sending) -> _Landed:
-        """[W, ...]: row p what rank p's ``pieces[this rank]`` was, this rank's row ``own``."""
+    def _exchange(self, pieces: list[torch.Tensor], own: torch.Tensor) -> _Landed:
+        """[W, ...]: row p what rank p's ``pieces[this rank]`` was, this rank's row ``own``.
+        ``pieces`` and ``own`` share one allocation (a tensor and views of it): ``own``'s
+        ``record_stream`` keeps it for the copies."""
         r, world = self.rank, self.world_size
         theirs, mine = self._slot_views(own)
         received = own.new_empty(world, *own.shape)
@@ -300,16 +302,16 @@ class PeerCopyRing:
             for part in others:
                 received[part].copy_(mine[part])
         steps = lambda: self._to_every_peer(pieces, theirs, take)  # noqa: E731
-        return _Landed(self._post(sending, [received], None, steps), received)
+        return _Landed(self._post([own], [received], None, steps), received)
 
     def all_gather(self, tensor: torch.Tensor) -> _Landed:
         """``Communicator.all_gather`` (``tensor`` contiguous): written into every peer's arena."""
-        return self._exchange([tensor] * self.world_size, tensor, [tensor])
+        return self._exchange([tensor] * self.world_size, tensor)
 
     def all_to_all(self, tensor: torch.Tensor) -> _Landed:
         """``ProcessGroupComm.all_to_all`` (``tensor`` contiguous, [W, ...]): row p into peer p's
         arena."""
-        return self._exchange(list(tensor.unbind(0)), tensor[self.rank], [tensor])
+        return self._exchange(list(tensor.unbind(0)), tensor[self.rank])
 
     def reduce_scatter(self, parts: torch.Tensor) -> _Landed:
         """``Communicator.reduce_scatter`` (``parts`` contiguous, [W, ...]): row p into peer p's

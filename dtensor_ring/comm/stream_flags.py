@@ -3,16 +3,17 @@ memory operations (``cuStreamBatchMemOp``: waits and writes of 32-bit words).
 
 Why not a kernel: the stream's front end carries these out, with no SM. A running cuDNN
 attention kernel holds every SM, so a kernel that waits for a peer (symmetric memory's barrier)
-can start only as that kernel drains: a ring shift then lands late (docs/design.md, "The ring
-shift on the copy engines"). A stream memory operation waits beside the running kernel.
+can start only as that kernel drains: a ring shift then lands late (docs/design.md, "Where the
+time goes on real ranks"). A stream memory operation waits beside the running kernel.
 
 The address may be in this GPU's memory or in a peer's (symmetric memory maps the peers'
 buffers into this process). A write comes after a memory barrier, so whatever the stream wrote
 before it (a copy into a peer's buffer) is visible to whoever sees the flag set.
 
 Why batches: an exchange with W - 1 peers waits for and sets 4 (W - 1) words; one driver call
-per word cost host time before the step's compute could be queued (docs/design.md, "Host time of
-an eager call"). A ``Batch`` is built once, for fixed addresses, and queued in one call.
+per word cost host time before the step's compute could be queued (docs/design.md, "Where the
+time goes on real ranks": llama3's eager forward lost 1 ms to it). A ``Batch`` is built once, for
+fixed addresses, and queued in one call.
 """
 import ctypes
 from typing import Optional
