@@ -184,6 +184,40 @@ def test_efficient_backward_op_is_checked_and_traceable():
     assert "dtensor_ring.efficient_attention_backward" in traced.code
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="flash's windowed op runs on CUDA")
+@pytest.mark.parametrize("name", ["cudnn", "flash"])
+def test_windowed_backward_on_row_slices_of_either_memory(name):
+    """A band block's backward (PyTorch's flash op with window sizes, for cuDNN's edge blocks
+    too) on row slices of [B, H, S, D] memory, of a model's [B, S, H, D] memory (handed to the op
+    without a copy) and on contiguous copies: each within TOLERANCE of the copies' error against
+    float64; a band one column wider is far off."""
+    from dtensor_ring.layouts.windows import Band
+
+    kernel, scale, band = BACKENDS[name], 64 ** -0.5, Band(-40, 0)
+    if not _usable(name, torch.bfloat16) or not kernel.windows:
+        pytest.skip(f"{name} or its windows unavailable")
+    rows, keys = slice(32, 160), slice(16, 144)  # 128 x 128: row i sees keys i - 40 .. i
+    full = [x[:1] for x in _inputs(160, 160)]
+    i, j = torch.arange(128, device=DEVICE)[:, None], torch.arange(128, device=DEVICE)[None, :]
+    reference = _reference(full[0][:, :, rows], full[1][:, :, keys], full[2][:, :, keys],
+                           full[3][:, :, rows], allowed=(j - i >= -40) & (j <= i))
+
+    def errors(memory, window, copies=False):
+        q, k, v, dout = (memory(x.to(torch.bfloat16)) for x in full)
+        q, k, v, dout = q[:, :, rows], k[:, :, keys], v[:, :, keys], dout[:, :, rows]
+        if copies:
+            q, k, v, dout = (x.contiguous() for x in (q, k, v, dout))
+        out, lse = kernel.forward(q, k, v, NONE, scale, None, window)
+        grads = kernel.backward(dout, q, k, v, out, lse, NONE, scale, None, window)
+        return [rel_rms(x, ref) for x, ref in zip([out, *grads], reference)]
+
+    copies = errors(lambda x: x, band, copies=True)
+    for memory in (lambda x: x, _seq_major):
+        for got, own in zip(errors(memory, band), copies):
+            assert got <= TOLERANCE[torch.bfloat16] * own, (got, own)
+    assert max(errors(_seq_major, Band(-41, 0))) > 10 * TOLERANCE[torch.bfloat16] * max(copies)
+
+
 # Packed documents: segments of unequal lengths, and empty ones (rows that see no key, keys no
 # row sees), as the layouts make them. q rows 0..47, k rows 0..39.
 SEGMENTS_Q = [0, 10, 10, 30, 40, 48]

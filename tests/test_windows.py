@@ -226,6 +226,21 @@ def test_kernels_take_positions_with_segments():
         assert max(wrong) > 1e-2, (kernel.name, wrong)
 
 
+def test_flash_backward_operands_copy_only_row_slices_of_head_major_memory():
+    """The windowed flash backward's operands (``kernels/windows._backward_operand``): a row slice
+    of a model's [B, S, H, D] memory and a whole [B, H, S, D] tensor reach the op as they are;
+    a row slice of [B, H, S, D] memory is copied once, dense in the op's [B, S, H, D] layout."""
+    from dtensor_ring.kernels.windows import _backward_operand
+
+    head_major = torch.randn(1, 4, 16, 8)
+    seq_major = torch.randn(1, 16, 4, 8).transpose(1, 2)
+    for x in (seq_major[:, :, 5:], head_major):
+        got = _backward_operand(x)
+        assert got.data_ptr() == x.data_ptr() and torch.equal(got, x.transpose(1, 2))
+    got = _backward_operand(head_major[:, :, 5:])
+    assert got.is_contiguous() and torch.equal(got, head_major[:, :, 5:].transpose(1, 2))
+
+
 class NoWindows(CpuFlash):
     """The CPU kernel without window support, as cuDNN without PyTorch's flash op."""
     name = "cpu_flash_no_windows"
