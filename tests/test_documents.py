@@ -582,6 +582,23 @@ def test_pad_documents_places_the_documents_for_the_ranks():
         assert (new[-1] - cu[-1]) / new[-1] <= 0.05 or length is not None
 
 
+def test_documents_up_to_half_a_ranks_tokens_stay_whole():
+    """The cut length is half a rank's tokens: documents of 1000 to 2000 tokens at ~8K tokens per
+    rank (chunks of 125 rows or more if cut: the kernels would lose little) stay whole, so their
+    K/V travel nowhere; the long one is cut. A document of half a rank's tokens is cut."""
+    world = 4
+    lengths = [9728, 2000, 1900, 1800, 1700, 1600, 1500, 1400, 1300, 1200, 1100, 1000]
+    row = plan_row(lengths + [500] * 12, world)
+    cu = [0, *itertools.accumulate(p for _, p in row)]
+    local = cu[-1] // world
+    assert 8000 <= local <= 8192
+    cut = dict(zip((d for d, _ in row), _placement("zigzag", cu, world).cut))
+    assert cut[0] and not any(cut[d] for d in range(1, len(lengths)))
+    half = placement.cut_length(world, local)
+    assert half == local // 2 // (2 * world) * 2 * world
+    assert placement.cut_documents(torch.tensor([0, half, 2 * half]), world, local).all()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(), r"pass one of world_size \(the ranks that will hold the row\) and multiple; got "
              r"world_size=None, multiple=None"),

@@ -37,12 +37,16 @@ K/V: the long part causal per cut document (the layout's own block) and each sho
 causal; steps src != rank attend the long part only, as the layout's per-document grid. The K/V
 exchanged are the long part's L rows: a short document's keys are needed by no other rank.
 
-The threshold (a cost model in docs/design.md, "Packed documents: the placement"): a varlen kernel
-costs about one tile of 128 q rows x 128 keys per tile pair it touches, full or not. Cutting a
-document of n = 2W c tokens costs each rank 2W x^2 + x tile pairs for x = c / 128 >= 1, exactly what
-the whole document costs on one rank (m (m + 1) / 2 for m = n / 128 tiles): no loss, and its work
-spreads evenly. Below c = 128 every chunk still costs a tile: so documents whose chunks would be
-shorter than a tile stay whole, ``cut_length`` = 2W x 128 (capped at half a rank's tokens).
+The threshold (measured: docs/design.md, "Measurements behind design choices"): a varlen
+kernel costs about one tile of 128 q rows x 128 keys per tile pair it touches, full or not.
+Cutting a document of n = 2W c tokens costs each rank 2W x^2 + x tile pairs for x = c / 128 >= 1,
+what the whole document costs on one rank (m (m + 1) / 2 for m = n / 128 tiles): no loss in the
+kernels once a chunk is a tile, and measured so. But a cut document's K/V travel to every rank
+and its dK/dV back; a whole one's go nowhere. So a document stays whole up to half a rank's
+tokens (``cut_length``: a whole document's work must stay small beside a rank's share for the
+ranks to balance), and ``plan_row`` cuts a shorter one only where the ranks' work would not
+balance otherwise. A cut document's chunks then hold S_local / 4W rows or more: a tile or more
+from S_local = 512 W.
 
 Host and traced forms: with the boundaries' values on the host (CPU ``cu_seqlens``, or the
 documents ``ContextParallel`` found) the placement is exact: the long part is a slice of L rows,
@@ -66,11 +70,10 @@ PADDING_BUDGET = 0.02
 
 
 def cut_length(world: int, local_len: int) -> int:
-    """The length from which a document is cut: 2W chunks of a tile each (``TILE_ROWS``), and at
-    most half a rank's tokens (the short documents must be small beside a rank's share for the
-    ranks' work to balance); a multiple of 2W, at least 2W."""
+    """The length from which a document is cut: half a rank's tokens (the module docstring), a
+    multiple of 2W, at least 2W."""
     unit = 2 * world
-    return unit * max(1, min(TILE_ROWS, local_len // (2 * unit)))
+    return unit * max(1, local_len // (2 * unit))
 
 
 def cut_documents(cu: torch.Tensor, world: int, local_len: int) -> torch.Tensor:
