@@ -127,7 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--non-causal-methods", default="ideal,torch_cp,ring_",
                    help="method-name prefixes run in the --also-non-causal configs")
     p.add_argument("--methods", default="",
-                   help="comma list of method-name prefixes to run (default: all)")
+                   help="comma list of method-name prefixes to run; a name ending in '$' runs "
+                        "only itself (zigzag_fp32$: eager, not _compiled; default: all)")
     p.add_argument("--mesh", type=mesh_shape, metavar="OxI",
                    help="also run every schedule on a 2-D mesh of O ring x I all-to-all ranks "
                         "(rows <O>x<I>_<schedule>_<precision>; O * I = the number of GPUs)")
@@ -462,7 +463,11 @@ def all_methods(device, mesh_2d=None):
 
 def selected(methods, prefixes):
     prefixes = [p for p in prefixes.split(",") if p]
-    return [m for m in methods if not prefixes or any(m.name.startswith(p) for p in prefixes)]
+
+    def chosen(name, prefix):
+        return name == prefix[:-1] if prefix.endswith("$") else name.startswith(prefix)
+
+    return [m for m in methods if not prefixes or any(chosen(m.name, p) for p in prefixes)]
 
 
 # ---------------------------------------------------------------------------------------------

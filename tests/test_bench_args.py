@@ -74,6 +74,12 @@ def test_mesh_parsed_as_ring_by_all_to_all_ranks(capsys):
         capsys.readouterr().err)
 
 
+def test_methods_are_prefixes_and_a_trailing_dollar_is_one_name():
+    names = [m.name for m in speed.selected(speed.all_methods("cuda"), "zigzag_fp32$,llama3_exact")]
+    assert names == ["zigzag_fp32", "llama3_exact", "llama3_exact_compiled",
+                     "llama3_exact_captured"]
+
+
 def test_every_benchmark_json_names_its_commit():
     """``report.versions`` (every benchmark's meta) carries the tree's commit, as docs/results.md
     needs: a hash, ``+dirty`` where tracked files changed."""
