@@ -40,18 +40,20 @@ def _inputs(heads=4, kv_heads=2, seq=256, dim=64, seed=0):
     return randn(heads), randn(kv_heads), randn(kv_heads), randn(heads)
 
 
-def _captured(fn):
-    """(eager result, second eager result, replayed result) of ``fn()`` (a tuple of tensors)."""
+def _captured(fn, capture=None):
+    """(eager result, second eager result, replayed result) of ``fn()`` (a tuple of tensors);
+    ``capture``: what is captured instead (default ``fn``), warmed up eagerly first."""
+    capture = capture or fn
     first = [t.clone() for t in fn()]
     second = [t.clone() for t in fn()]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
+        capture()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = fn()
+        static = capture()
     graph.replay()
     torch.cuda.synchronize()
     return first, second, [t.clone() for t in static]
@@ -116,6 +118,31 @@ def test_one_rank_of_the_ring_replays_in_a_cuda_graph(schedule, precision, docum
         return (out, lse, *grads)
 
     _check(*_captured(step), precision == "exact", f"{schedule} {precision} docs={documents}")
+
+
+@pytest.mark.parametrize("schedule", ["zigzag", "llama3"])
+def test_boundaries_known_on_the_host_are_not_used_in_a_capture(schedule):
+    """``ContextParallel`` hands the schedules the boundaries' host values with their device
+    tensor (the placement's exact form). A capture must not use them: the exact form copies
+    them to the device (not allowed in a capture: it failed so), and a replay must follow the
+    tensor's values. The replay equals the device-only form's eager result."""
+    q, k, v, dout = _inputs()
+    sched = dr.get_schedule(schedule)
+    kernel = get_kernel("auto", q.device, q.dtype, q.shape[-1], "fp32", True)
+    bounds = [0, 128, 256, 640, 1024]
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    comm = ReplayComm(1, 4)
+
+    def step(host):
+        comm.rewind()
+        docs = Documents.of(cu, 384, host)
+        out, lse = sched.forward(comm, q, k, v, is_causal=True, scale=0.125, kernel=kernel,
+                                 docs=docs)
+        grads = sched.backward(comm, dout, q, k, v, out, lse, is_causal=True, scale=0.125,
+                               kernel=kernel, docs=docs)
+        return (out, lse, *grads)
+
+    _check(*_captured(lambda: step(None), lambda: step(bounds)), False, schedule)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,9 @@ class Documents:
     passes the same tensor to every attention layer of a forward, so the per-step segments are
     derived once per batch, not once per layer (a dozen small kernels and their host time
     each). Not while a CUDA graph is captured or traced: a captured graph must derive them from
-    the boundaries the tensor holds at each replay."""
+    the boundaries the tensor holds at each replay, so a capture also drops the ``host`` values
+    (the placement's exact form would copy them to the device, which a capture refuses, and a
+    replay with other boundaries would reuse them)."""
 
     def __init__(self, cu: torch.Tensor, max_len: int, host: list[int] | None = None):
         self.cu, self.max_len = cu, max_len
@@ -22,8 +24,10 @@ class Documents:
 
     @classmethod
     def of(cls, cu: torch.Tensor, max_len: int, host: list[int] | None = None) -> "Documents":
-        if is_traced(cu) or capturing(cu.device) or not isinstance(max_len, int):
+        if is_traced(cu) or not isinstance(max_len, int):
             return cls(cu, max_len, host)
+        if capturing(cu.device):
+            return cls(cu, max_len)
         key = (max_len, cu._version)
         held = getattr(cu, "_dtensor_ring_documents", None)
         if held is None or held[0] != key:
