@@ -11,7 +11,8 @@ wrong answer: the result unsharded in the wrong layout.
 
 The collectives alone (all-gather, all-to-all, reduce-scatter), interleaved with ring shifts and
 growing, match NCCL's on random data (the reduce-scatter to fp32 rounding: NCCL sums in its own
-order), eagerly and replayed from a CUDA graph.
+order), eagerly and replayed from a CUDA graph. A capture whose messages the arenas cannot hold
+takes NCCL for them, and replays right after the arenas grew.
 """
 import os
 
@@ -155,3 +156,48 @@ def _collective_ranks(rank, world):
 def test_copy_engine_collectives_match_nccl():
     world = min(torch.cuda.device_count(), 4)
     run_on_gpus(world, _collective_ranks)
+
+
+def _capture_ranks(rank, world):
+    """A capture whose messages outgrow the arenas eager calls sized (packed documents' traced
+    form sends every row where the eager exact form sent the long part's): those go through
+    NCCL, the others still through the copy engines; then an eager call grows the arenas, and
+    the graph, which holds views of the outgrown ones, still replays right."""
+    from dtensor_ring.comm.process_group import ProcessGroupComm
+    comm = ProcessGroupComm(dist.new_group(list(range(world))))  # a new group: new arenas
+    small = torch.zeros(64, 2, 3, 128, device="cuda").bfloat16()
+    big = torch.zeros(4096, 2, 3, 128, device="cuda").bfloat16()
+    ring = peer_copy.peer_copy_ring(comm.group)
+    assert ring is not None, f"rank {rank}"
+    exchanges = lambda: (comm.send_recv_next([small]).wait()[0],  # noqa: E731
+                         comm.send_recv_next([big]).wait()[0], comm.all_gather(big).wait())
+    comm.send_recv_next([small]).wait()
+    comm.all_gather(small).wait()  # eager: the arenas hold the small messages only
+    assert not ring.holds([big]) and not ring.holds([big], collective=True), f"rank {rank}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            outputs = exchanges()
+    comm.send_recv_next([big]).wait()  # eager: grows the ring's arena past the graph's views
+    torch.cuda.synchronize()
+    assert ring.holds([big]), f"rank {rank}"
+    for replay in range(3):
+        small.fill_(rank + 10 * replay)
+        big.fill_(rank + 100 * replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        where = f"rank {rank}: replay {replay}"
+        before = (rank - 1) % world
+        assert torch.all(outputs[0] == before + 10 * replay), where
+        assert torch.all(outputs[1] == before + 100 * replay), where
+        gathered = outputs[2].float().flatten(1)
+        expected = torch.arange(world, device="cuda").float() + 100 * replay
+        assert torch.equal(gathered.amax(1), expected) and torch.equal(gathered.amin(1),
+                                                                       expected), where
+
+
+def test_a_capture_beyond_the_arenas_takes_nccl_and_outgrown_arenas_stay():
+    world = min(torch.cuda.device_count(), 4)
+    run_on_gpus(world, _capture_ranks)

@@ -139,6 +139,13 @@ class _Arena:
         self.group_name, self.stream = group_name, stream
         self.buffer, self.handle = None, None
         self._views: dict = {}
+        # Buffers outgrown, kept: a captured CUDA graph may hold views of them (its replays copy
+        # into them), on every rank alike.
+        self._outgrown: list = []
+
+    def holds(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` fits without growing the buffer."""
+        return self.buffer is not None and self.buffer.numel() >= nbytes
 
     def views(self, key, nbytes: int, device, make):
         """``make(handle)``'s views for ``key``, in an arena of at least ``nbytes`` (collective the
@@ -150,12 +157,14 @@ class _Arena:
         return views
 
     def _reserve(self, nbytes: int, device) -> None:
-        if self.buffer is not None and self.buffer.numel() >= nbytes:
+        if self.holds(nbytes):
             return
         # Idle here means idle everywhere that touches this buffer: the last exchange here
         # waited for every copy into it, and its own copies into the peers' are done.
         self.stream.synchronize()
         self._views.clear()
+        if self.buffer is not None:
+            self._outgrown.append((self.buffer, self.handle))
         self.buffer = _symmetric_memory().empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = _symmetric_memory().rendezvous(self.buffer, self.group_name)
 
@@ -250,12 +259,20 @@ class PeerCopyRing:
             emptied.post(self.stream)
         return _Landed(self._post(tensors, received, overlapping, steps), received)
 
+    def holds(self, tensors: list[torch.Tensor], collective: bool = False) -> bool:
+        """Whether ``tensors`` (a ring shift's; ``collective``: one piece of a collective) fit
+        the arena as it is. Inside a CUDA graph capture an arena cannot grow (growing reserves
+        symmetric memory collectively and waits for the side stream): a message eager calls did
+        not size it for (a capture's traced packed-document form sends every row where the
+        eager exact form sent the long part's) goes through NCCL instead (``process_group``)."""
+        if collective:
+            (piece,) = tensors
+            return self.slots.holds(self.world_size * piece.numel() * piece.element_size())
+        return self.arena.holds(_ring_bytes(tensors)[1])
+
     def _ring_views(self, tensors) -> tuple[list, list]:
         """Where ``tensors`` go in the ring's arena: (views of rank+1's, views of this rank's)."""
-        offsets, total = [], 0
-        for t in tensors:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        offsets, total = _ring_bytes(tensors)
 
         def make(handle):
             return tuple([handle.get_buffer(rank, list(t.shape), t.dtype, offset // t.element_size())
@@ -326,6 +343,15 @@ class PeerCopyRing:
             torch.sum(mine, 0, out=total)
         steps = lambda: self._to_every_peer(list(parts.unbind(0)), theirs, take)  # noqa: E731
         return _Landed(self._post([parts], [total], None, steps), total)
+
+
+def _ring_bytes(tensors) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a ring message, and the message's size."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return offsets, total
 
 
 def _enable(symm_mem, group_name: str) -> None:

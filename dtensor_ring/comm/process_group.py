@@ -67,7 +67,7 @@ class ProcessGroupComm:
         _count("send_recv_next", tensors)
         # Dense buffers (a model's k/v may be transposed views), for NCCL and the copy engines.
         tensors = [t.contiguous() for t in tensors]
-        ring = self._copy_engines()
+        ring = self._copy_engines(tensors)
         if ring is not None:  # no SM to make room for
             return ring.send_recv_next(tensors, overlapping)
         received = [torch.empty_like(t) for t in tensors]
@@ -95,13 +95,20 @@ class ProcessGroupComm:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
         return _Works(works, received)
 
-    def _copy_engines(self):
-        """The group's ``PeerCopyRing`` (one host: the copy engines, ``peer_copy.py``), or None."""
-        return peer_copy_ring(self.group) if self._nccl else None
+    def _copy_engines(self, tensors, collective=False):
+        """The group's ``PeerCopyRing`` (one host: the copy engines, ``peer_copy.py``), or None:
+        also inside a CUDA graph capture when ``tensors`` do not fit its arena, which cannot grow
+        there (``PeerCopyRing.holds``); NCCL then, on every rank alike (the arenas' sizes and
+        the messages' shapes are the same on every rank)."""
+        ring = peer_copy_ring(self.group) if self._nccl else None
+        if (ring is not None and torch.cuda.is_current_stream_capturing()
+                and not ring.holds(tensors, collective)):
+            return None
+        return ring
 
     def all_gather(self, tensor):
         _count("all_gather", [tensor])
-        ring = self._copy_engines()
+        ring = self._copy_engines([tensor], collective=True)
         if ring is not None:
             return ring.all_gather(tensor.contiguous())
         # The collectives concatenate along dim 0; flatten the leading dims so any rank works.
@@ -117,7 +124,7 @@ class ProcessGroupComm:
             return _Done(tensor)
         _count("all_to_all", [tensor])
         tensor = tensor.contiguous()
-        ring = self._copy_engines()
+        ring = self._copy_engines([tensor[0]], collective=True)
         if ring is not None:
             return ring.all_to_all(tensor)
         received = torch.empty_like(tensor)
@@ -129,7 +136,7 @@ class ProcessGroupComm:
     def reduce_scatter(self, tensor):
         _count("reduce_scatter", [tensor])
         tensor = tensor.contiguous()
-        ring = self._copy_engines()
+        ring = self._copy_engines([tensor[0]], collective=True)
         if ring is not None:
             return ring.reduce_scatter(tensor)
         if self._nccl:
