@@ -94,9 +94,10 @@ def flash_backward(dout, q, k, v, out, lse, window: Band, scale: float):
 def _backward_operand(x: torch.Tensor) -> torch.Tensor:
     """``x`` ([B, H, S, D]) as the backward op's [B, S, H, D] operand. Flash's backward gave wrong
     gradients on row-sliced views (``kernels/cuda.py``), so a slice is copied, into the op's own
-    layout: the op copies dout and out there itself when they are not (on an H100, one rank's
-    windowed zigzag backward at 8K tokens: 0.45 of 5.2 ms in copies, 0.33 so). A row slice of a
-    model's [B, S, H, D] memory already is dense there (batch 1): no copy (0.15 ms). A whole
-    contiguous [B, H, S, D] tensor is handed over as it is, as PyTorch's SDPA does."""
+    layout: the op copies dout and out there itself when they are not. A row slice of a model's
+    [B, S, H, D] memory already is dense there (batch 1): no copy. A whole contiguous
+    [B, H, S, D] tensor is handed over as it is, as PyTorch's SDPA does (copying it into the
+    op's layout made the windowed ideal's backward slower). Measured: docs/design.md,
+    "Measurements behind design choices"."""
     op_layout = x.transpose(1, 2)
     return op_layout if x.is_contiguous() or op_layout.is_contiguous() else op_layout.contiguous()
