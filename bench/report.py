@@ -3,6 +3,7 @@ rewritten atomically (so a run stopped midway leaves the rows it measured)."""
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,10 +23,30 @@ def git_commit():
     return (head + ("+dirty" if dirty else "")) or None
 
 
+def git_tree():
+    """The git tree hash of the files that ran: the tracked and the not-ignored untracked files
+    as they are on disk (``git write-tree`` through a scratch index, the repository's own index
+    untouched). It names the contents, not a history: ``git rev-parse <commit>^{tree}`` gives
+    the same hash for the commit that holds them, even where the checkout's ``.git`` is older
+    than its files (a copy of a working tree on another machine), or None outside a checkout."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as scratch:
+        env = dict(os.environ, GIT_INDEX_FILE=str(Path(scratch) / "index"))
+        try:
+            for args in (["add", "-A"], ["write-tree"]):
+                done = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True,
+                                      text=True, timeout=60)
+                if done.returncode:
+                    return None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return done.stdout.strip() or None
+
+
 def versions(device):
-    """The commit (``git_commit``), torch, Triton and, on CUDA, the GPU, cuDNN, CUDA and NCCL
-    versions."""
-    info = {"git_commit": git_commit(), "torch": torch.__version__}
+    """The commit (``git_commit``), the files' tree (``git_tree``), torch, Triton and, on CUDA,
+    the GPU, cuDNN, CUDA and NCCL versions."""
+    info = {"git_commit": git_commit(), "git_tree": git_tree(), "torch": torch.__version__}
     try:
         import triton  # noqa: PLC0415 - optional
         info["triton"] = triton.__version__

@@ -3,12 +3,14 @@
 --parts name (bench/triton_tune.py) stops the run before any rank or sweep starts, naming the
 argument, the value and the valid names."""
 import importlib
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))
 import gpu_accuracy  # noqa: E402
 import speed  # noqa: E402
@@ -86,5 +88,18 @@ def test_every_benchmark_json_names_its_commit():
     import re  # noqa: PLC0415
 
     import report  # noqa: PLC0415
-    commit = report.versions("cpu")["git_commit"]
+    info = report.versions("cpu")
+    commit = info["git_commit"]
     assert commit is not None and re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", commit), commit
+    # The files' tree: the commit's own where nothing changed (a fresh clone, as in CI)
+    assert info["git_tree"] is not None and re.fullmatch(r"[0-9a-f]{40}", info["git_tree"])
+    if not commit.endswith("+dirty") and not _untracked():
+        head_tree = subprocess.run(["git", "rev-parse", "HEAD^{tree}"], cwd=ROOT,
+                                   capture_output=True, text=True).stdout.strip()
+        assert info["git_tree"] == head_tree
+
+
+def _untracked():
+    """Untracked files git does not ignore (they are in the files' tree, not in HEAD's)."""
+    return subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT,
+                          capture_output=True, text=True).stdout.strip()
