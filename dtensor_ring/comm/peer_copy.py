@@ -139,9 +139,10 @@ class _Arena:
         self.group_name, self.stream = group_name, stream
         self.buffer, self.handle = None, None
         self._views: dict = {}
-        # Buffers outgrown, kept: a captured CUDA graph may hold views of them (its replays copy
-        # into them), on every rank alike.
+        # Buffers outgrown after a CUDA graph capture used them, kept: the graph holds views of
+        # them (its replays copy into them), on every rank alike. Others are dropped on growth.
         self._outgrown: list = []
+        self._captured = False  # whether a capture used the current buffer
 
     def holds(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` fits without growing the buffer."""
@@ -154,6 +155,7 @@ class _Arena:
         if views is None:
             self._reserve(nbytes, device)  # a new buffer drops the views
             views = self._views[key] = make(self.handle)
+        self._captured = self._captured or torch.cuda.is_current_stream_capturing()
         return views
 
     def _reserve(self, nbytes: int, device) -> None:
@@ -163,8 +165,9 @@ class _Arena:
         # waited for every copy into it, and its own copies into the peers' are done.
         self.stream.synchronize()
         self._views.clear()
-        if self.buffer is not None:
+        if self._captured:
             self._outgrown.append((self.buffer, self.handle))
+        self._captured = False
         self.buffer = _symmetric_memory().empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = _symmetric_memory().rendezvous(self.buffer, self.group_name)
 
