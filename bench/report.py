@@ -8,15 +8,16 @@ from pathlib import Path
 
 import torch
 
+_ROOT = Path(__file__).resolve().parents[1]  # the checkout the benchmarks run from
+
 
 def git_commit():
     """The tree's commit (``+dirty`` with changes to tracked files), or None outside a git
     checkout."""
-    root = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_ROOT, capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -29,12 +30,11 @@ def git_tree():
     untouched). It names the contents, not a history: ``git rev-parse <commit>^{tree}`` gives
     the same hash for the commit that holds them, even where the checkout's ``.git`` is older
     than its files (a copy of a working tree on another machine), or None outside a checkout."""
-    root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as scratch:
         env = dict(os.environ, GIT_INDEX_FILE=str(Path(scratch) / "index"))
         try:
             for args in (["add", "-A"], ["write-tree"]):
-                done = subprocess.run(["git", *args], cwd=root, env=env, capture_output=True,
+                done = subprocess.run(["git", *args], cwd=_ROOT, env=env, capture_output=True,
                                       text=True, timeout=60)
                 if done.returncode:
                     return None

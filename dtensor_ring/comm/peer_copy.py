@@ -270,7 +270,7 @@ class PeerCopyRing:
         eager exact form sent the long part's) goes through NCCL instead (``process_group``)."""
         if collective:
             (piece,) = tensors
-            return self.slots.holds(self.world_size * piece.numel() * piece.element_size())
+            return self.slots.holds(_slot_bytes(piece, self.world_size))
         return self.arena.holds(_ring_bytes(tensors)[1])
 
     def _ring_views(self, tensors) -> tuple[list, list]:
@@ -278,7 +278,8 @@ class PeerCopyRing:
         offsets, total = _ring_bytes(tensors)
 
         def make(handle):
-            return tuple([handle.get_buffer(rank, list(t.shape), t.dtype, offset // t.element_size())
+            return tuple([handle.get_buffer(rank, list(t.shape), t.dtype,
+                                            offset // t.element_size())
                           for t, offset in zip(tensors, offsets)]
                          for rank in ((self.rank + 1) % self.world_size, self.rank))
         key = tuple((tuple(t.shape), t.dtype) for t in tensors)
@@ -292,8 +293,8 @@ class PeerCopyRing:
         def make(handle):
             return ([handle.get_buffer(p, shape, piece.dtype, 0)[self.rank] for p in range(world)],
                     handle.get_buffer(self.rank, shape, piece.dtype, 0))
-        nbytes = world * piece.numel() * piece.element_size()
-        return self.slots.views((tuple(piece.shape), piece.dtype), nbytes, piece.device, make)
+        return self.slots.views((tuple(piece.shape), piece.dtype), _slot_bytes(piece, world),
+                                piece.device, make)
 
     def _to_every_peer(self, pieces, theirs, take) -> None:
         """On the side stream: ``pieces[p]`` into this rank's slot of peer p's arena, for every
@@ -355,6 +356,11 @@ def _ring_bytes(tensors) -> tuple[list[int], int]:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     return offsets, total
+
+
+def _slot_bytes(piece: torch.Tensor, world: int) -> int:
+    """The size of the collectives' W slots of ``piece``'s shape."""
+    return world * piece.numel() * piece.element_size()
 
 
 def _enable(symm_mem, group_name: str) -> None:
