@@ -98,25 +98,35 @@ def test_the_replay_check_fails_a_wrong_gradient():
             _check(first, first, wrong, False, "wrong")
 
 
-@pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
-@pytest.mark.parametrize("precision", ["fp32", "exact"])
-@pytest.mark.parametrize("documents", [False, True])
-def test_one_rank_of_the_ring_replays_in_a_cuda_graph(schedule, precision, documents):
+BOUNDS = [0, 128, 256, 640, 1024]  # packed documents over the 4 ranks' 1024 tokens
+
+
+def _one_rank(schedule, precision, documents):
+    """``step(host=None)``: forward and backward of one rank of a 4-rank ring (``ReplayComm``)
+    on ``_inputs()``, returning (out, lse, dq, dk, dv); with ``documents``, ``BOUNDS`` as a device
+    tensor, and ``host`` their values too (as ``ContextParallel`` hands them)."""
     q, k, v, dout = _inputs()
     sched = dr.get_schedule(schedule)
     kernel = get_kernel("auto", q.device, q.dtype, q.shape[-1], precision, documents)
-    cu = torch.tensor([0, 128, 256, 640, 1024], dtype=torch.int32, device="cuda")
+    cu = torch.tensor(BOUNDS, dtype=torch.int32, device=q.device)
     comm = ReplayComm(1, 4)
 
-    def step():
+    def step(host=None):
         comm.rewind()
-        docs = Documents.of(cu, 384) if documents else None
+        docs = Documents.of(cu, 384, host) if documents else None
         out, lse = sched.forward(comm, q, k, v, is_causal=True, scale=0.125, kernel=kernel,
                                  docs=docs)
         grads = sched.backward(comm, dout, q, k, v, out, lse, is_causal=True, scale=0.125,
                                kernel=kernel, docs=docs)
         return (out, lse, *grads)
+    return step
 
+
+@pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
+@pytest.mark.parametrize("precision", ["fp32", "exact"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_one_rank_of_the_ring_replays_in_a_cuda_graph(schedule, precision, documents):
+    step = _one_rank(schedule, precision, documents)
     _check(*_captured(step), precision == "exact", f"{schedule} {precision} docs={documents}")
 
 
@@ -126,23 +136,8 @@ def test_boundaries_known_on_the_host_are_not_used_in_a_capture(schedule):
     tensor (the placement's exact form). A capture must not use them: the exact form copies
     them to the device (not allowed in a capture: it failed so), and a replay must follow the
     tensor's values. The replay equals the device-only form's eager result."""
-    q, k, v, dout = _inputs()
-    sched = dr.get_schedule(schedule)
-    kernel = get_kernel("auto", q.device, q.dtype, q.shape[-1], "fp32", True)
-    bounds = [0, 128, 256, 640, 1024]
-    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-    comm = ReplayComm(1, 4)
-
-    def step(host):
-        comm.rewind()
-        docs = Documents.of(cu, 384, host)
-        out, lse = sched.forward(comm, q, k, v, is_causal=True, scale=0.125, kernel=kernel,
-                                 docs=docs)
-        grads = sched.backward(comm, dout, q, k, v, out, lse, is_causal=True, scale=0.125,
-                               kernel=kernel, docs=docs)
-        return (out, lse, *grads)
-
-    _check(*_captured(lambda: step(None), lambda: step(bounds)), False, schedule)
+    step = _one_rank(schedule, "fp32", True)
+    _check(*_captured(step, lambda: step(BOUNDS)), False, schedule)
 
 
 @pytest.fixture(scope="module")
