@@ -140,7 +140,8 @@ def signature(q, k, *, schedule: str, is_causal: bool, precision: str, scale: fl
     kv_heads = _size(k.shape[1])
     sched = get_schedule(schedule)
     if sched is AUTO:  # Auto.pick, on plain ints (symbolic head counts would add a guard)
-        sched = SCHEDULES[AUTO.choose(q_heads, kv_heads, local_len, world, is_causal, window)]
+        sched = SCHEDULES[AUTO.choose(q_heads, kv_heads, local_len, world, is_causal, window,
+                                      cu_seqlens is not None)]
     return (batch, local_len, q_heads, kv_heads, head_dim, str(q.dtype), sched.name,
             sched.layout.name, bool(is_causal), precision, float(scale), *_documents(cu_seqlens),
             *((-1, -1) if window is None else tuple(window)),

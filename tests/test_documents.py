@@ -489,6 +489,24 @@ def test_ring_attention_with_documents_on_4_gloo_ranks():
     run_on_ranks(4, _documents_on_ranks)
 
 
+
+def test_auto_runs_zigzag_with_documents_whatever_the_head_counts():
+    """auto with strong GQA takes llama3, but with packed documents zigzag (its ring sends only
+    the long documents and computes a step in one varlen call; llama3's head groups multiply the
+    calls: 0.22 / 0.30 of the varlen ideal per rank against 0.55 / 0.59). The consistency check
+    resolves auto the same way, or the ranks would check one schedule and run another."""
+    from dtensor_ring import consistency
+    from dtensor_ring.schedules import AUTO, SCHEDULES
+    q, k = torch.zeros(1, 8, 16, 4), torch.zeros(1, 2, 16, 4)
+    cu = torch.tensor([0, 24, 64])
+    docs = Documents.of(cu, 40)
+    assert AUTO.pick(q, k, 4, True) is SCHEDULES["llama3"]
+    assert AUTO.pick(q, k, 4, True, docs=docs) is SCHEDULES["zigzag"]
+    fields = dict(schedule="auto", is_causal=True, precision="fp32", scale=0.5, world=4)
+    assert "llama3" in consistency.signature(q, k, **fields)
+    with_documents = consistency.signature(q, k, cu_seqlens=cu, **fields)
+    assert "zigzag" in with_documents and "llama3" not in with_documents
+
 # --- errors --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cu,error,match", [
