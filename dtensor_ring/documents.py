@@ -121,6 +121,29 @@ def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
         raise TypeError(f"cu_seqlens as a list must hold ints; got {cu_seqlens!r}")
     if max_seqlen is not None and not isinstance(max_seqlen, torch.SymInt):
         check_int(max_seqlen, "max_seqlen", 1, "a positive int (the longest document's length)")
+    values, max_len = _checked(cu_seqlens, max_seqlen, seq_len, multiple, layout, device, arg,
+                               world_size)
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu = _on_device(cu_seqlens, device)
+    else:
+        cu = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+    return Documents.of(cu, max_len, values)
+
+
+def _checked(cu_seqlens, max_seqlen, seq_len, multiple, layout, device, arg, world_size):
+    """(the boundaries' host values or None, the bound on the longest document), their values
+    checked where they are read. A boundaries tensor keeps the result while it is unchanged
+    (``_version``) and called with the same arguments: a model's layers pass the same tensor, and
+    the checks (and, for a device tensor without ``max_seqlen``, the sync) took 0.3 ms of host
+    time per call on a 2-core CPU, where an eager call without documents took 0.01."""
+    keep = isinstance(cu_seqlens, torch.Tensor) and not is_traced(cu_seqlens) and not (
+        isinstance(max_seqlen, torch.SymInt))
+    if keep:
+        key = (cu_seqlens._version, max_seqlen, seq_len, multiple, layout, str(device), arg,
+               world_size)
+        held = getattr(cu_seqlens, "_dtensor_ring_checked", None)
+        if held is not None and held[0] == key:
+            return held[1]
     values = _host_values(cu_seqlens)
     if values is None and max_seqlen is None and not is_traced(cu_seqlens):
         values = [int(x) for x in cu_seqlens.tolist()]  # one device sync: see the module docstring
@@ -133,11 +156,9 @@ def documents(cu_seqlens, max_seqlen, seq_len: int, multiple: int, layout: str,
         max_len = longest if max_seqlen is None else max_seqlen
     else:
         max_len = seq_len if max_seqlen is None else max_seqlen
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu = _on_device(cu_seqlens, device)
-    else:
-        cu = torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-    return Documents.of(cu, max_len, values)
+    if keep:
+        cu_seqlens._dtensor_ring_checked = (key, (values, max_len))
+    return values, max_len
 
 
 def _on_device(cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -507,6 +507,29 @@ def test_auto_runs_zigzag_with_documents_whatever_the_head_counts():
     with_documents = consistency.signature(q, k, cu_seqlens=cu, **fields)
     assert "zigzag" in with_documents and "llama3" not in with_documents
 
+
+def test_boundaries_are_checked_once_per_tensor_and_again_when_changed(monkeypatch):
+    """A model's layers pass the same boundaries tensor: its values are read and checked at the
+    first call only, and again when the tensor changes in place or comes with other arguments."""
+    from dtensor_ring import documents as documents_module
+    checks = []
+    real = documents_module.check_boundaries
+    monkeypatch.setattr(documents_module, "check_boundaries",
+                        lambda values, *a, **kw: (checks.append(values), real(values, *a, **kw)))
+    cu, cpu = torch.tensor([0, 8, 16]), torch.device("cpu")
+    first = documents(cu, None, 16, 4, "zigzag", cpu, world_size=2)
+    assert documents(cu, None, 16, 4, "zigzag", cpu, world_size=2) is first
+    assert checks == [[0, 8, 16]]
+    with pytest.raises(ValueError, match="must end at the sequence length 32"):
+        documents(cu, None, 32, 4, "zigzag", cpu, world_size=2)
+    cu[1] = 10  # in place: a new version of the tensor
+    with pytest.raises(ValueError, match="document 0 of cu_seqlens has length 10"):
+        documents(cu, None, 16, 4, "zigzag", cpu, world_size=2)
+    cu[1] = 12
+    again = documents(cu, None, 16, 4, "zigzag", cpu, world_size=2)
+    assert again.host == [0, 12, 16] and again.max_len == 12
+    assert checks == [[0, 8, 16], [0, 8, 16], [0, 10, 16], [0, 12, 16]]
+
 # --- errors --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cu,error,match", [
