@@ -123,11 +123,11 @@ def _symmetric_memory():
 
 
 class _Landed:
-    def __init__(self, event, received):
-        self.event, self.received = event, received
+    def __init__(self, event, received, device: int):
+        self.event, self.received, self.device = event, received, device
 
     def wait(self):
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
         return self.received
 
 
@@ -180,6 +180,11 @@ class PeerCopyRing:
         self.group_name = group.group_name
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.stream = torch.cuda.Stream(priority=-1)
+        # The device by index: torch.cuda's stream calls without one (current_stream(),
+        # Event.record(), the torch.cuda.stream context) look the current device up through
+        # its availability checks, 5-10 us a call; a post made several (2 x 2 mesh, 4 H200s:
+        # 100 lookups per fwd+bwd, 2 ms of host time under cProfile).
+        self.device = self.stream.device_index
         # one arena for the ring shifts, one for the collectives: a rank ahead of its peers may
         # start the next exchange while they finish this one, and each arena's flags guard only
         # its own exchanges
@@ -224,18 +229,21 @@ class PeerCopyRing:
     def _post(self, sending, received, overlapping, steps) -> torch.cuda.Event:
         """Runs ``steps`` on the side stream after what the compute stream has queued (after
         ``overlapping``'s launch when given); the event marks their end."""
-        stream = self.stream
+        stream, compute = self.stream, torch.cuda.current_stream(self.device)
         if overlapping is None:
-            stream.wait_stream(torch.cuda.current_stream())
+            stream.wait_stream(compute)
         else:
             ready = torch.cuda.Event()  # the tensors are ready here
-            ready.record()
+            ready.record(compute)
             overlapping()
             stream.wait_event(ready)
-        with torch.cuda.stream(stream):
+        torch.cuda.set_stream(stream)  # the copies' stream (what torch.cuda.stream(...) does)
+        try:
             steps()
-            landed = torch.cuda.Event()
-            landed.record(stream)
+        finally:
+            torch.cuda.set_stream(compute)
+        landed = torch.cuda.Event()
+        landed.record(stream)
         for t in sending + received:  # the caching allocator keeps them until the copies ran
             t.record_stream(stream)
         return landed
@@ -260,7 +268,7 @@ class PeerCopyRing:
             for r, place in zip(received, mine):
                 r.copy_(place)
             emptied.post(self.stream)
-        return _Landed(self._post(tensors, received, overlapping, steps), received)
+        return _Landed(self._post(tensors, received, overlapping, steps), received, self.device)
 
     def holds(self, tensors: list[torch.Tensor], collective: bool = False) -> bool:
         """Whether ``tensors`` (a ring shift's; ``collective``: one piece of a collective) fit
@@ -323,7 +331,7 @@ class PeerCopyRing:
             for part in others:
                 received[part].copy_(mine[part])
         steps = lambda: self._to_every_peer(pieces, theirs, take)  # noqa: E731
-        return _Landed(self._post([own], [received], None, steps), received)
+        return _Landed(self._post([own], [received], None, steps), received, self.device)
 
     def all_gather(self, tensor: torch.Tensor) -> _Landed:
         """``Communicator.all_gather`` (``tensor`` contiguous): written into every peer's arena."""
@@ -346,7 +354,7 @@ class PeerCopyRing:
             mine[r].copy_(parts[r])  # this rank's slot: no peer writes it
             torch.sum(mine, 0, out=total)
         steps = lambda: self._to_every_peer(list(parts.unbind(0)), theirs, take)  # noqa: E731
-        return _Landed(self._post([parts], [total], None, steps), total)
+        return _Landed(self._post([parts], [total], None, steps), total, self.device)
 
 
 def _ring_bytes(tensors) -> tuple[list[int], int]:
