@@ -39,27 +39,34 @@ def test_the_layout_is_the_one_drawn_in_its_docstring():
 def test_the_all_to_all_buffers_trade_tokens_for_heads_and_back():
     """Four inner ranks, exchanged by hand (row g of rank j's buffer goes to rank g): rank g must
     get its head group of every rank's tokens, and the way back must restore each rank's tensor
-    (key/value heads sent to several ranks come back as the sum of their shares)."""
+    (key/value heads sent to several ranks come back as the sum of their shares). q, k and v
+    travel in one buffer, side by side, and come back in one."""
     inner, batch, length, dim = 4, 2, 3, 5
-    for q_heads, kv_heads, kv in ((8, 4, False), (8, 4, True), (8, 2, True), (4, 1, True)):
-        xs = [torch.randn(batch, kv_heads if kv else q_heads, length, dim) for _ in range(inner)]
+    for q_heads, kv_heads in ((8, 4), (8, 2), (4, 1), (8, 8)):
         split = head_split(q_heads, kv_heads, inner)
-        whole = torch.cat(xs, 2)  # the outer shard, every head
-        restored = [torch.zeros_like(x) for x in xs]
+        kinds = (False, True, True)  # q, k, v
+        xs = [[torch.randn(batch, kv_heads if kv else q_heads, length, dim) for kv in kinds]
+              for _ in range(inner)]
+        widths = [split.piece(kv) for kv in kinds]
+        restored = [[torch.zeros_like(x) for x in rank] for rank in xs]
         for chunk in range(split.chunks):
-            sent = [to_heads(x, split, chunk, kv) for x in xs]
-            got = [heads_of(torch.stack([sent[j][g] for j in range(inner)]))
+            sent = [to_heads(list(zip(rank, kinds)), split, chunk) for rank in xs]
+            got = [heads_of(torch.stack([sent[j][g] for j in range(inner)]), widths)
                    for g in range(inner)]
             for g in range(inner):
-                assert torch.equal(got[g], whole[:, _group_heads(split, g, chunk, kv)]), (
-                    q_heads, kv_heads, kv, g, chunk)
-            back = [to_sequence(y, inner) for y in got]
+                for i, kv in enumerate(kinds):
+                    whole = torch.cat([rank[i] for rank in xs], 2)  # the outer shard
+                    assert torch.equal(got[g][i], whole[:, _group_heads(split, g, chunk, kv)]), (
+                        q_heads, kv_heads, i, g, chunk)
+            back = [to_sequence(list(y), inner) for y in got]
             for j in range(inner):
-                sequence_into_(restored[j], torch.stack([back[g][j] for g in range(inner)]),
-                               split, chunk, kv)
+                received = torch.stack([back[g][j] for g in range(inner)])
+                for i, (kv, part) in enumerate(zip(kinds, received.split(widths, dim=2))):
+                    sequence_into_(restored[j][i], part, split, chunk, kv)
         for j in range(inner):
-            shares = split.repeat if kv else 1
-            assert torch.allclose(restored[j], shares * xs[j]), (q_heads, kv_heads, kv, j)
+            for i, kv in enumerate(kinds):
+                shares = split.repeat if kv else 1
+                assert torch.allclose(restored[j][i], shares * xs[j][i]), (q_heads, kv_heads, i)
 
 
 def _group_heads(split, group, chunk, kv):

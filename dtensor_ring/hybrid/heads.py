@@ -22,12 +22,13 @@ Key/value heads (GQA, ``Hq = r Hkv``):
 Memory layouts, chosen so that the side that receives needs no copy where it can avoid one:
 
 * sequence -> heads (q, k, v; dout, out and lse in the backward): the sender packs
-  [I, S, B, h, D] (one copy, from any strides of its input); the receiver's [I, S, B, h, D] is the
-  outer shard's [I S, B, h, D], viewed as [B, h, I S, D] without a copy (for B = 1 that is the
-  [B, S, H, D] memory a model's q usually has);
-* heads -> sequence (out, lse; dq, dk, dv): the sender packs [I, B, h, S, D] (one copy); the
-  receiver writes each piece into its [B, H, S, D] result (one copy: the pieces of a head group
-  interleave with the other groups' heads there).
+  [I, S, B, h, D] (one copy, from any strides of its input; several tensors of one dtype side by
+  side along h, one message); the receiver's [I, S, B, h, D] is the outer shard's
+  [I S, B, h, D], viewed as [B, h, I S, D] without a copy (for B = 1 and one tensor that is the
+  [B, S, H, D] memory a model's q usually has; q, k and v together are head slices of it);
+* heads -> sequence (out, lse; dq, dk, dv): the sender packs [I, B, h, S, D] (one copy; dq, dk
+  and dv side by side along h); the receiver writes each piece into its [B, H, S, D] result (one
+  copy: the pieces of a head group interleave with the other groups' heads there).
 """
 from dataclasses import dataclass
 
@@ -83,29 +84,42 @@ def head_split(q_heads: int, kv_heads: int, inner: int, chunks: int | None = Non
     return HeadSplit(inner, q_heads, kv_heads, chunks)
 
 
-def to_heads(x: torch.Tensor, split: HeadSplit, chunk: int, kv: bool = False) -> torch.Tensor:
-    """The all-to-all's send buffer for ``x`` [B, H, S, D] (this rank's tokens), piece ``chunk``:
-    [I, S, B, h, D], row g for inner rank g; one copy."""
-    batch, heads, length, dim = x.shape
-    if kv and split.repeat > 1:  # one key/value head per rank: head g // repeat for rank g
-        expanded = x.permute(1, 2, 0, 3).unsqueeze(1).expand(heads, split.repeat, length, batch,
-                                                              dim)
-        return expanded.contiguous().view(split.inner, length, batch, 1, dim)
-    pieces = x.unflatten(1, (split.inner, split.chunks, split.piece(kv)))[:, :, chunk]
-    return pieces.permute(1, 3, 0, 2, 4).contiguous()
+def to_heads(sources, split: HeadSplit, chunk: int) -> torch.Tensor:
+    """The all-to-all's send buffer for ``sources`` ((x [B, H, S, D] of this rank's tokens, kv)
+    pairs, one dtype and head dim), piece ``chunk``: [I, S, B, h_1 + h_2 + ..., D], row g for
+    inner rank g, each x's heads beside the last's (one message for all: a collective's host time
+    and handshake are paid once). One copy of each."""
+    widths = [split.piece(kv) for _, kv in sources]
+    batch, _, length, dim = sources[0][0].shape
+    buffer = sources[0][0].new_empty(split.inner, length, batch, sum(widths), dim)
+    for (x, kv), dest in zip(sources, buffer.split(widths, dim=3)):
+        if kv and split.repeat > 1:  # one key/value head per rank: head g // repeat for rank g
+            per_head = dest.unflatten(0, (split.kv_heads, split.repeat))  # [Hkv, r, S, B, 1, D]
+            per_head.copy_(x.permute(1, 2, 0, 3)[:, None, :, :, None, :])
+        else:
+            pieces = x.unflatten(1, (split.inner, split.chunks, split.piece(kv)))[:, :, chunk]
+            dest.copy_(pieces.permute(1, 3, 0, 2, 4))
+    return buffer
 
 
-def heads_of(received: torch.Tensor) -> torch.Tensor:
-    """What ``to_heads`` buffers arrive as ([I, S, B, h, D], row j from inner rank j) as this
-    rank's head piece of the outer shard, [B, h, I S, D]: a view."""
+def heads_of(received: torch.Tensor, widths: list[int]) -> tuple:
+    """What a ``to_heads`` buffer arrives as ([I, S, B, h_1 + ..., D], row j from inner rank j) as
+    this rank's head pieces of the outer shard, each [B, h_i, I S, D]: views."""
     inner, length, batch, heads, dim = received.shape
-    return received.view(inner * length, batch, heads, dim).permute(1, 2, 0, 3)
+    whole = received.view(inner * length, batch, heads, dim).permute(1, 2, 0, 3)
+    return whole.split(widths, dim=1)
 
 
-def to_sequence(y: torch.Tensor, inner: int) -> torch.Tensor:
-    """The all-to-all's send buffer for ``y`` [B, h, I S, ...] (a head piece of the outer shard):
-    [I, B, h, S, ...], row j for inner rank j (its tokens)."""
-    return y.unflatten(2, (inner, y.shape[2] // inner)).movedim(2, 0).contiguous()
+def to_sequence(ys, inner: int) -> torch.Tensor:
+    """The all-to-all's send buffer for ``ys`` (each [B, h_i, I S, ...], head pieces of the outer
+    shard, one dtype and trailing dims): [I, B, h_1 + h_2 + ..., S, ...], row j for inner rank j
+    (its tokens). One copy of each."""
+    first = ys[0]
+    batch, _, seq, *rest = first.shape
+    buffer = first.new_empty(inner, batch, sum(y.shape[1] for y in ys), seq // inner, *rest)
+    for y, dest in zip(ys, buffer.split([y.shape[1] for y in ys], dim=2)):
+        dest.copy_(y.unflatten(2, (inner, seq // inner)).movedim(2, 0))
+    return buffer
 
 
 def sequence_into_(target: torch.Tensor, received: torch.Tensor, split: HeadSplit, chunk: int,

@@ -19,6 +19,13 @@ first piece's inputs and the last piece's output wait on the inner links (forwar
     outer schedule              | piece 0 (its own ring, overlapped as it is) | piece 1
                        exposed  |    hidden by piece 0's compute and ring     | exposed
 
+A piece's q, k and v travel in one all-to-all, side by side in one buffer (``heads.to_heads``),
+and so do the backward's dout, q, k, v and out, and dq, dk and dv on the way back: one message per
+run of tensors of one dtype and head dim (the LSE, and exact mode's fp32 out, go alone). Each
+all-to-all costs host time and a handshake with every inner rank (on the copy engines a
+collective waits for its peers' slots), whatever its size: per forward+backward with two pieces,
+12 all-to-alls where one per tensor made 28.
+
 The outer schedule's exchanges and the all-to-all use different groups (and, across nodes,
 different links), so they run at the same time; each piece runs the whole outer schedule (its
 W_outer - 1 ring steps), so C pieces send C times as many, C times smaller, outer messages.
@@ -51,12 +58,12 @@ class Hybrid:
         sources = ((q, False), (k, True), (v, True))
 
         def post(chunk):
-            return [inner.all_to_all(to_heads(x, split, chunk, kv)) for x, kv in sources]
+            return _post(inner, sources, split, chunk)
 
         out = lse = None
         pending, returning = post(0), None
         for chunk in range(split.chunks):
-            q_h, k_h, v_h = (heads_of(p.wait()) for p in pending)
+            q_h, k_h, v_h = _arrived(pending)
             if chunk + 1 < split.chunks:
                 pending = post(chunk + 1)
             out_h, lse_h = self.outer.forward(comm.outer, q_h, k_h, v_h, is_causal=is_causal,
@@ -64,10 +71,9 @@ class Hybrid:
             if out is None:  # exact kernels' out is fp32
                 out = q.new_empty(q.shape, dtype=out_h.dtype)
                 lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-            _land(returning, (out, lse), split)  # the previous piece's, overlapped by this one's
-            returning = (chunk, [(inner.all_to_all(to_sequence(x, split.inner)), False)
-                                 for x in (out_h, lse_h)])
-        _land(returning, (out, lse), split)
+            _land(returning, split)  # the previous piece's, overlapped by this one's
+            returning = _return(inner, [(out, out_h, False), (lse, lse_h, False)], split, chunk)
+        _land(returning, split)
         return out, lse
 
     def backward(self, comm: HybridComm, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
@@ -78,12 +84,12 @@ class Hybrid:
                    (lse.unsqueeze(-1), False))
 
         def post(chunk):
-            return [inner.all_to_all(to_heads(x, split, chunk, kv)) for x, kv in sources]
+            return _post(inner, sources, split, chunk)
 
         grads = None
         pending, returning = post(0), None
         for chunk in range(split.chunks):
-            dout_h, q_h, k_h, v_h, out_h, lse_h = (heads_of(p.wait()) for p in pending)
+            dout_h, q_h, k_h, v_h, out_h, lse_h = _arrived(pending)
             if chunk + 1 < split.chunks:
                 pending = post(chunk + 1)
             dq_h, dk_h, dv_h = self.outer.backward(
@@ -92,20 +98,56 @@ class Hybrid:
             if grads is None:
                 grads = tuple(x.new_empty(x.shape, dtype=g.dtype)
                               for x, g in ((q, dq_h), (k, dk_h), (v, dv_h)))
-            _land(returning, grads, split)
-            returning = (chunk, [(inner.all_to_all(to_sequence(g, split.inner)), kv)
-                                 for g, kv in ((dq_h, False), (dk_h, True), (dv_h, True))])
-        _land(returning, grads, split)
+            _land(returning, split)
+            returning = _return(inner, [(grads[0], dq_h, False), (grads[1], dk_h, True),
+                                        (grads[2], dv_h, True)], split, chunk)
+        _land(returning, split)
         return grads
 
 
-def _land(returning, targets, split) -> None:
-    """Wait for one piece's results on their way back and write them into ``targets``."""
+def _messages(items, key):
+    """``items`` grouped into messages: consecutive items whose ``key`` agrees (dtype and trailing
+    dims) travel together; [(first index, items)]."""
+    groups = []
+    for i, item in enumerate(items):
+        if groups and key(groups[-1][1][-1]) == key(item):
+            groups[-1][1].append(item)
+        else:
+            groups.append((i, [item]))
+    return groups
+
+
+def _post(inner, sources, split, chunk):
+    """The all-to-alls of piece ``chunk`` of ``sources`` ((x, kv) pairs): one per run of
+    tensors with the same dtype and head dim (q, k and v: one). [(pending, head widths)]."""
+    return [(inner.all_to_all(to_heads(group, split, chunk)), [split.piece(kv) for _, kv in group])
+            for _, group in _messages(sources, lambda s: (s[0].dtype, s[0].shape[-1]))]
+
+
+def _arrived(pending) -> list:
+    """The head pieces of ``_post``'s messages, in the sources' order."""
+    return [piece for p, widths in pending for piece in heads_of(p.wait(), widths)]
+
+
+def _return(inner, results, split, chunk):
+    """Post piece ``chunk``'s results ((target, y, kv) triples, y [B, h, I S, ...]) back to the
+    ranks that hold their tokens, one all-to-all per run of one dtype and trailing dims:
+    (chunk, [(pending, targets)]) for ``_land``."""
+    return chunk, [(inner.all_to_all(to_sequence([y for _, y, _ in group], split.inner)),
+                    [(target, y.shape[1], kv) for target, y, kv in group])
+                   for _, group in _messages(results, lambda r: (r[1].dtype, r[1].shape[3:]))]
+
+
+def _land(returning, split) -> None:
+    """Wait for one piece's results on their way back and write them into their targets."""
     if returning is None:
         return
     chunk, pending = returning
-    for target, (p, kv) in zip(targets, pending):
-        sequence_into_(target, p.wait(), split, chunk, kv)
+    for p, targets in pending:
+        received = p.wait()
+        widths = [width for _, width, _ in targets]
+        for (target, _, kv), part in zip(targets, received.split(widths, dim=2)):
+            sequence_into_(target, part, split, chunk, kv)
 
 
 def placed_schedule(schedule, outer_size: int, inner_size: int):

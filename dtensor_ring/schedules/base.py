@@ -27,9 +27,11 @@ def backward_operands(kernel: BlockKernel, dout, out, q, docs):
     needs (``BlockKernel.backward_layout``), once for the whole tensors.
 
     dout keeps its memory where that is [B, H, S, D] or [B, S, H, D] (a model's attention
-    output's gradient usually is the latter, like its q: cuDNN then needs no copy of it); any
-    other (an expanded or overlapping gradient, as ``out.sum()`` gives) is copied contiguous."""
-    if not (dout.is_contiguous() or dout.transpose(1, 2).is_contiguous()):
+    output's gradient usually is the latter, like its q: cuDNN then needs no copy of it), or q's
+    strides (the 2-D mesh's head pieces: views of one received buffer); any other (an expanded
+    or overlapping gradient, as ``out.sum()`` gives) is copied contiguous."""
+    if not (dout.is_contiguous() or dout.transpose(1, 2).is_contiguous()
+            or (dout.shape == q.shape and dout.stride() == q.stride())):
         dout = dout.contiguous()
     dout = dout.to(q.dtype)
     return tuple(kernel.backward_layout(x, q, docs is not None) for x in (dout, out))
