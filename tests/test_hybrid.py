@@ -15,6 +15,7 @@ import dtensor_ring as dr
 from dtensor_ring.attention import _SimulatedRing
 from dtensor_ring.call import RingCall
 from dtensor_ring.hybrid.cost import Job, pick, predict
+from dtensor_ring.hybrid import heads
 from dtensor_ring.hybrid.heads import (head_split, heads_of, sequence_into_, to_heads,
                                        to_sequence)
 from dtensor_ring.hybrid.layout import HybridLayout
@@ -104,8 +105,10 @@ def test_every_outer_schedule_at_8_x_8_simulated_ranks(schedule):
 
 @pytest.mark.parametrize("world", [(2, 2), (1, 4), (2, 4)])
 @pytest.mark.parametrize("schedule", sorted(dr.SCHEDULES))
-def test_small_meshes_causal_and_not_with_head_pieces(world, schedule):
-    """2 x 2, 1 x 4 (the all-to-all alone), 2 x 4; 8/4 heads travel in two pieces per rank."""
+def test_small_meshes_causal_and_not_with_head_pieces(world, schedule, monkeypatch):
+    """2 x 2, 1 x 4 (the all-to-all alone), 2 x 4; 8/4 heads travel in two pieces per rank (the
+    pipelined path; the default is one piece, which the other tests run)."""
+    monkeypatch.setattr(heads, "DEFAULT_CHUNKS", 2)
     for causal in (True, False):
         _check(world, schedule, torch.float32, q_heads=8, kv_heads=4, local=16, head_dim=32,
                is_causal=causal)

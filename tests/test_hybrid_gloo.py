@@ -25,6 +25,7 @@ from dist_utils import run_on_ranks
 from dtensor_ring import dtensor as drt
 from dtensor_ring import passes
 from dtensor_ring.comm import TRAFFIC
+from dtensor_ring.hybrid import heads
 from dtensor_ring.models import Llama, LlamaConfig
 from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
                                          rel_rms, sdpa)
@@ -37,9 +38,10 @@ SEQ = 64
 
 def _attention_cases(mesh):
     """Every outer schedule, causal, fp32 / bf16 / exact, 4 query heads and 2 or 4 key/value
-    heads: on 2 inner ranks one per rank or two pieces of one; on 4 each sent to two ranks or one
-    per rank. (4, 1) is the 1-D ring's own code (tested at length in test_ring_attention_gloo.py):
+    heads: on 2 inner ranks one per rank or two pieces of one (up to two pieces: the pipelined
+    path; the default is one); on 4 each sent to two ranks or one per rank. (4, 1) is the 1-D ring's own code (tested at length in test_ring_attention_gloo.py):
     there, the same bits as the ring on its first dimension."""
+    heads.DEFAULT_CHUNKS = 2  # this rank's process only
     rank, failures = mesh.get_rank(), []
     shape = tuple(mesh.shape)
     world = mesh.size()

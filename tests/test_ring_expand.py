@@ -12,6 +12,7 @@ window is pinned as one row of counts (``count_table``). Refresh both with EXPEC
 import functools
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import expecttest
 import torch
@@ -25,6 +26,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import dtensor_ring  # noqa: F401 - registers the ops
 from dtensor_ring import ops
 from dtensor_ring.comm.mesh import resolve_mesh
+from dtensor_ring.hybrid import heads as hybrid_heads
 from dtensor_ring.hybrid import ops as hybrid_ops
 from dtensor_ring.passes import (COUNTERS, ComposedPass, RingExpandPass, expand_ring_attention,
                                  install)
@@ -64,7 +66,9 @@ def expanded(schedule, is_causal, backward, documents=False, window=NO_WINDOW):
     else:
         gm = make_fx(lambda a, b, c, cu: op(a, b, c, *args(cu)), tracing_mode="fake")(q, kv, kv, CU)
     before = sum(COUNTERS.values())
-    assert expand_ring_attention(gm.graph) == 1
+    # the hybrid's pipelined path: two pieces per head group (the default is one)
+    with mock.patch.object(hybrid_heads, "DEFAULT_CHUNKS", 2):
+        assert expand_ring_attention(gm.graph) == 1
     assert sum(COUNTERS.values()) == before + 1
     assert not any("dtensor_ring" in str(n.target) and "attention" in str(n.target)
                    for n in gm.graph.nodes)

@@ -10,8 +10,9 @@ shards), runs the outer backward, and sends dq, dk, dv back. In fp32 mode nothin
 (the all-to-all moves values, the outer schedule does the arithmetic); exact mode's fp32 out and
 LSE travel in fp32.
 
-Overlap: each head group travels in ``chunks`` pieces (``heads.head_split``: up to 2, as the key/
-value heads per rank allow). The all-to-all of piece c + 1 is posted before the outer schedule
+Overlap: each head group travels in ``chunks`` pieces (``heads.head_split``; by default one:
+``heads.DEFAULT_CHUNKS`` says why; with 2, as the key/value heads per rank allow, as follows).
+The all-to-all of piece c + 1 is posted before the outer schedule
 attends piece c, and piece c's output is sent back while piece c + 1 is attended, so only the
 first piece's inputs and the last piece's output wait on the inner links (forward, C = 2):
 
