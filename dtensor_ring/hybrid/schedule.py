@@ -32,6 +32,8 @@ different links), so they run at the same time; each piece runs the whole outer 
 W_outer - 1 ring steps), so C pieces send C times as many, C times smaller, outer messages.
 The backward is the same with (dout, q, k, v, out, LSE) in and (dq, dk, dv) out.
 """
+import itertools
+
 import torch
 
 from ..layouts import Layout
@@ -106,23 +108,17 @@ class Hybrid:
         return grads
 
 
-def _messages(items, key):
-    """``items`` grouped into messages: consecutive items whose ``key`` agrees (dtype and trailing
-    dims) travel together; [(first index, items)]."""
-    groups = []
-    for i, item in enumerate(items):
-        if groups and key(groups[-1][1][-1]) == key(item):
-            groups[-1][1].append(item)
-        else:
-            groups.append((i, [item]))
-    return groups
+def _messages(items, key) -> list[list]:
+    """``items`` grouped into messages: runs of consecutive items whose ``key`` (dtype and
+    trailing dims) agrees travel together."""
+    return [list(run) for _, run in itertools.groupby(items, key)]
 
 
 def _post(inner, sources, split, chunk):
     """The all-to-alls of piece ``chunk`` of ``sources`` ((x, kv) pairs): one per run of
     tensors with the same dtype and head dim (q, k and v: one). [(pending, head widths)]."""
     return [(inner.all_to_all(to_heads(group, split, chunk)), [split.piece(kv) for _, kv in group])
-            for _, group in _messages(sources, lambda s: (s[0].dtype, s[0].shape[-1]))]
+            for group in _messages(sources, lambda s: (s[0].dtype, s[0].shape[-1]))]
 
 
 def _arrived(pending) -> list:
@@ -136,7 +132,7 @@ def _return(inner, results, split, chunk):
     (chunk, [(pending, targets)]) for ``_land``."""
     return chunk, [(inner.all_to_all(to_sequence([y for _, y, _ in group], split.inner)),
                     [(target, y.shape[1], kv) for target, y, kv in group])
-                   for _, group in _messages(results, lambda r: (r[1].dtype, r[1].shape[3:]))]
+                   for group in _messages(results, lambda r: (r[1].dtype, r[1].shape[3:]))]
 
 
 def _land(returning, split) -> None:
