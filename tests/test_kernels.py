@@ -218,6 +218,39 @@ def test_windowed_backward_on_row_slices_of_either_memory(name):
     assert max(errors(_seq_major, Band(-41, 0))) > 10 * TOLERANCE[torch.bfloat16] * max(copies)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA kernels' bands run on CUDA")
+@pytest.mark.parametrize("name", ["cudnn", "flash"])
+def test_the_causal_mask_read_backwards_runs_as_causal_on_reversed_rows(name):
+    """The band a causal window leaves in the previous chunk's keys (square, row i sees columns i
+    and after: ``kernels/windows.reversed_causal``) runs as the kernel's causal mask on reversed
+    rows: fwd and bwd on row slices within TOLERANCE of flash's windowed kernel's own error
+    against float64; against the band one column wider it is far off."""
+    from dtensor_ring.kernels import windows
+    from dtensor_ring.layouts.windows import Band
+
+    kernel, scale, band = BACKENDS[name], 64 ** -0.5, Band(0, None)
+    if not _usable(name, torch.bfloat16) or not kernel.windows:
+        pytest.skip(f"{name} or its windows unavailable")
+    assert windows.reversed_causal(band, 128, 128) and not windows.reversed_causal(band, 96, 128)
+    rows, keys = slice(32, 160), slice(16, 144)
+    q, k, v, dout = (x.to(torch.bfloat16)[:, :, part] for x, part in
+                     zip(_inputs(160, 160), (rows, keys, keys, rows)))
+    i, j = torch.arange(128, device=DEVICE)[:, None], torch.arange(128, device=DEVICE)[None, :]
+
+    def reference(lo):
+        return _reference(*(x.double() for x in (q, k, v, dout)), allowed=j - i >= lo)
+
+    out, lse = kernel.forward(q, k, v, NONE, scale, None, band)
+    got = [out, *kernel.backward(dout, q, k, v, out, lse, NONE, scale, None, band)]
+    out, lse = windows.flash_forward(q, k, v, band, scale)
+    flash = [out, *windows.flash_backward(dout, q, k, v, out, lse, band, scale)]
+    for x, ours, ref in zip(got, flash, reference(0)):
+        assert rel_rms(x, ref) <= TOLERANCE[torch.bfloat16] * rel_rms(ours, ref)
+    wider = [rel_rms(x, ref) for x, ref in zip(got, reference(-1))]
+    assert max(wider) > 10 * TOLERANCE[torch.bfloat16] * max(
+        rel_rms(x, ref) for x, ref in zip(flash, reference(0)))
+
+
 # Packed documents: segments of unequal lengths, and empty ones (rows that see no key, keys no
 # row sees), as the layouts make them. q rows 0..47, k rows 0..39.
 SEGMENTS_Q = [0, 10, 10, 30, 40, 48]

@@ -19,14 +19,15 @@ pass over it); flash's backward gives wrong gradients on row-sliced q/dout/out/l
 gets contiguous copies (``backward_takes_views``).
 
 Sliding windows: an edge block's band goes to PyTorch's flash op with window sizes, for both
-kernels (cuDNN through PyTorch takes no window); ``windows.py``.
+kernels (cuDNN through PyTorch takes no window), except the causal mask read backwards, which runs
+as the kernel's own causal mask on reversed rows; ``windows.py``.
 """
 import os
 
 import torch
 from torch.torch_version import TorchVersion
 
-from .base import MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
+from .base import CAUSAL, MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
 from . import windows as _windows
 
 _aten = torch.ops.aten
@@ -57,6 +58,9 @@ class _CudaKernel(BlockKernel):
         return (_windows.BAND,) if usable else ()
 
     def forward(self, q, k, v, mask, scale, segments=None, window=None):
+        if window is not None and _windows.reversed_causal(window, q.shape[2], k.shape[2]):
+            out, lse = self.forward(*map(_windows.reverse_rows, (q, k, v)), CAUSAL, scale)
+            return _windows.reverse_rows(out), lse.flip(2)
         if window is not None:
             return _windows.flash_forward(q, k, v, window, scale)
         if segments is not None:
@@ -67,6 +71,10 @@ class _CudaKernel(BlockKernel):
         return self._forward(_rows_strided(q), _rows_strided(k), _rows_strided(v), causal, scale)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None, window=None):
+        if window is not None and _windows.reversed_causal(window, q.shape[2], k.shape[2]):
+            grads = self.backward(*map(_windows.reverse_rows, (dout, q, k, v, out)),
+                                  lse.flip(2), CAUSAL, scale)
+            return tuple(map(_windows.reverse_rows, grads))
         if window is not None:
             return _windows.flash_backward(dout, q, k, v, out, lse, window, scale)
         if segments is not None:

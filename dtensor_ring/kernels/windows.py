@@ -11,6 +11,8 @@ fully inside the window have a plain mask and blocks outside it are never called
   as bottom-right aligned window sizes (``flash_forward`` / ``flash_backward``); cuDNN through
   PyTorch has none, so the cuDNN kernel hands its edge blocks to these. Flash's varlen form takes
   one window for all segments, which cannot hold the per-document offsets: no ``"positions"``.
+  One band needs no window kernel: the causal mask read backwards (``reversed_causal``), which
+  both CUDA kernels run as their plain causal mask on reversed rows.
 * The Triton kernels mask by the band or the positions in their tiles (``triton_attention.py``).
 """
 import torch
@@ -64,6 +66,21 @@ def flash_window(window: Band, seq_q: int, seq_k: int) -> tuple[int, int]:
     right = -1 if window.hi is None else window.hi - diagonal
     assert left >= -1 and right >= -1 and (left, right) != (-1, -1), (window, seq_q, seq_k)
     return left, right
+
+
+def reversed_causal(window: Band, seq_q: int, seq_k: int) -> bool:
+    """Whether a band is the causal mask read backwards: a square block whose row i sees columns
+    i and after (lo = 0, no upper bound). A causal window leaves this triangle in every block of
+    keys just before a block of queries no longer than the window (the keys of the previous
+    chunk, ``layouts/windows.py``: 'rank 1's last 5 keys as a triangle'). With both its rows and
+    its keys reversed it is the plain causal mask, which cuDNN runs at about twice the speed of
+    flash's windowed kernel (docs/design.md, "Measurements behind design choices")."""
+    return window.lo == 0 and window.hi is None and seq_q == seq_k
+
+
+def reverse_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, ...] with its rows (dim 2) in reverse order (a copy)."""
+    return x.flip(2)
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
