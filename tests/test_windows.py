@@ -205,6 +205,27 @@ def test_kernels_take_a_band(kernel, window):
     assert max(_kernel_errors(kernel, q, k, v, dout, NONE, None, wider, reference)) > 1e-2
 
 
+def test_the_causal_mask_read_backwards_is_causal_on_reversed_rows():
+    """``kernels/windows.reversed_forward`` / ``reversed_backward`` (the CUDA kernels' route for
+    the square band whose row i sees columns i and after) through the CPU kernels' causal mask:
+    fwd and bwd against float64 attention with the band (GQA, 16 x 16); one column more visible
+    is far off."""
+    from dtensor_ring.kernels.windows import (reversed_backward, reversed_causal,
+                                              reversed_forward)
+
+    band = Band(0, None)
+    assert reversed_causal(band, 16, 16)
+    assert not reversed_causal(band, 12, 16) and not reversed_causal(Band(1, None), 16, 16)
+    q, k, v, dout = make_inputs(2, 4, 2, 16, 16, seed=5)
+    for kernel in (BACKENDS["cpu_flash"], BACKENDS["math"]):
+        out, lse = reversed_forward(kernel.forward, q, k, v, 0.25)
+        got = [out, *reversed_backward(kernel.backward, dout, q, k, v, out, lse, 0.25)]
+        errors = [rel_rms(x, ref) for x, ref in zip(got, _band_reference(band, q, k, v, dout))]
+        assert max(errors) < FP32_LIMIT, (kernel.name, errors)
+        wider = _band_reference(Band(-1, None), q, k, v, dout)
+        assert max(rel_rms(x, ref) for x, ref in zip(got, wider)) > 1e-2, kernel.name
+
+
 def test_kernels_take_positions_with_segments():
     """Packed documents: the window as positions, on top of the segments and the causal mask."""
     q, k, v, dout = make_inputs(1, 2, 2, 24, 16, seed=4)

@@ -27,7 +27,7 @@ import os
 import torch
 from torch.torch_version import TorchVersion
 
-from .base import CAUSAL, MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
+from .base import MASKS, NONE, BlockKernel, repeat_kv, sum_kv_groups
 from . import windows as _windows
 
 _aten = torch.ops.aten
@@ -59,8 +59,7 @@ class _CudaKernel(BlockKernel):
 
     def forward(self, q, k, v, mask, scale, segments=None, window=None):
         if window is not None and _windows.reversed_causal(window, q.shape[2], k.shape[2]):
-            out, lse = self.forward(*map(_windows.reverse_rows, (q, k, v)), CAUSAL, scale)
-            return _windows.reverse_rows(out), lse.flip(2)
+            return _windows.reversed_forward(self.forward, q, k, v, scale)
         if window is not None:
             return _windows.flash_forward(q, k, v, window, scale)
         if segments is not None:
@@ -72,9 +71,7 @@ class _CudaKernel(BlockKernel):
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, segments=None, window=None):
         if window is not None and _windows.reversed_causal(window, q.shape[2], k.shape[2]):
-            grads = self.backward(*map(_windows.reverse_rows, (dout, q, k, v, out)),
-                                  lse.flip(2), CAUSAL, scale)
-            return tuple(map(_windows.reverse_rows, grads))
+            return _windows.reversed_backward(self.backward, dout, q, k, v, out, lse, scale)
         if window is not None:
             return _windows.flash_backward(dout, q, k, v, out, lse, window, scale)
         if segments is not None:

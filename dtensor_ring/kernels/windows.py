@@ -18,6 +18,7 @@ fully inside the window have a plain mask and blocks outside it are never called
 import torch
 
 from ..layouts.windows import Band, Positions
+from .base import CAUSAL
 
 BAND, POSITIONS = "band", "positions"
 _aten = torch.ops.aten
@@ -81,6 +82,20 @@ def reversed_causal(window: Band, seq_q: int, seq_k: int) -> bool:
 def reverse_rows(x: torch.Tensor) -> torch.Tensor:
     """[B, H, S, ...] with its rows (dim 2) in reverse order (a copy)."""
     return x.flip(2)
+
+
+def reversed_forward(forward, q, k, v, scale: float):
+    """(out, lse) of a ``reversed_causal`` block through a kernel's own causal
+    ``forward(q, k, v, mask, scale)``, on its rows and keys reversed."""
+    out, lse = forward(reverse_rows(q), reverse_rows(k), reverse_rows(v), CAUSAL, scale)
+    return reverse_rows(out), lse.flip(2)
+
+
+def reversed_backward(backward, dout, q, k, v, out, lse, scale: float):
+    """dq, dk, dv of a ``reversed_causal`` block through a kernel's own causal
+    ``backward(dout, q, k, v, out, lse, mask, scale)``, on its rows and keys reversed."""
+    grads = backward(*map(reverse_rows, (dout, q, k, v, out)), lse.flip(2), CAUSAL, scale)
+    return tuple(map(reverse_rows, grads))
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:
