@@ -244,8 +244,8 @@ def test_the_causal_mask_read_backwards_runs_as_causal_on_reversed_rows(name):
     got = [out, *kernel.backward(dout, q, k, v, out, lse, NONE, scale, None, band)]
     out, lse = windows.flash_forward(q, k, v, band, scale)
     flash = [out, *windows.flash_backward(dout, q, k, v, out, lse, band, scale)]
-    for x, ours, ref in zip(got, flash, reference(0)):
-        assert rel_rms(x, ref) <= TOLERANCE[torch.bfloat16] * rel_rms(ours, ref)
+    for x, by_flash, ref in zip(got, flash, reference(0)):
+        assert rel_rms(x, ref) <= TOLERANCE[torch.bfloat16] * rel_rms(by_flash, ref)
     wider = [rel_rms(x, ref) for x, ref in zip(got, reference(-1))]
     assert max(wider) > 10 * TOLERANCE[torch.bfloat16] * max(
         rel_rms(x, ref) for x, ref in zip(flash, reference(0)))
