@@ -87,14 +87,14 @@ def reverse_rows(x: torch.Tensor) -> torch.Tensor:
 def reversed_forward(forward, q, k, v, scale: float):
     """(out, lse) of a ``reversed_causal`` block through a kernel's own causal
     ``forward(q, k, v, mask, scale)``, on its rows and keys reversed."""
-    out, lse = forward(reverse_rows(q), reverse_rows(k), reverse_rows(v), CAUSAL, scale)
-    return reverse_rows(out), lse.flip(2)
+    out, lse = forward(*map(reverse_rows, (q, k, v)), CAUSAL, scale)
+    return reverse_rows(out), reverse_rows(lse)
 
 
 def reversed_backward(backward, dout, q, k, v, out, lse, scale: float):
     """dq, dk, dv of a ``reversed_causal`` block through a kernel's own causal
     ``backward(dout, q, k, v, out, lse, mask, scale)``, on its rows and keys reversed."""
-    grads = backward(*map(reverse_rows, (dout, q, k, v, out)), lse.flip(2), CAUSAL, scale)
+    grads = backward(*map(reverse_rows, (dout, q, k, v, out, lse)), CAUSAL, scale)
     return tuple(map(reverse_rows, grads))
 
 
