@@ -32,14 +32,28 @@ RUNS = [(s, p, False) for s in ("ring", "zigzag", "stripe", "llama3") for p in (
 RUNS += [("zigzag", "fp32", True), ("llama3", "fp32", True)]
 
 
-def _results(mesh, schedule, precision, compiled, bf16):
+def results(mesh, schedule, precision, compiled, bf16, window=None):
+    """out, dq, dk, dv of causal ring attention of ``bf16`` (q, k, v, dout) sharded over
+    ``mesh`` (also tests/test_windows_gpu.py)."""
     def ring(a, b, c):
         return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule, is_causal=True,
-                                 precision=precision)
+                                 precision=precision, window=window)
     fn = torch.compile(ring, fullgraph=True) if compiled else ring
     layout = dr.SCHEDULE_LAYOUT[schedule]
     shards = [dr.shard_sequence(x, mesh, dim=2, layout=layout) for x in bf16]
     return [x.contiguous() for x in attention_and_grads(fn, *shards, torch.bfloat16)]
+
+
+def check_whole(got, mesh, schedule, single, reference, where):
+    """``got`` (``results``) unsharded, within TOLERANCE of the single GPU's error against
+    float64; unsharded in the wrong layout, it fails the same check."""
+    layout = dr.SCHEDULE_LAYOUT[schedule]
+    whole = [dr.unshard_sequence(x, mesh, dim=2, layout=layout) for x in got]
+    check_ratios(ratios(whole, single, reference), torch.bfloat16, where)
+    if layout != "contiguous":  # a wrong answer fails the same check
+        wrong = [dr.unshard_sequence(x, mesh, dim=2, layout="contiguous") for x in got]
+        with pytest.raises(AssertionError):
+            check_ratios(ratios(wrong, single, reference), torch.bfloat16, where)
 
 
 def _ranks(rank, world):
@@ -52,23 +66,16 @@ def _ranks(rank, world):
         single = attention_and_grads(sdpa(True), q, k, v, dout, torch.bfloat16)
         for schedule, precision, compiled in RUNS:
             where = f"rank {rank}: {tokens} tokens, {schedule} {precision} compiled={compiled}"
-            got = _results(copies, schedule, precision, compiled, bf16)
+            got = results(copies, schedule, precision, compiled, bf16)
             os.environ[peer_copy.ENV] = "0"  # read when a group first shifts
             try:
-                sent_by_nccl = _results(nccl, schedule, precision, compiled, bf16)
+                sent_by_nccl = results(nccl, schedule, precision, compiled, bf16)
             finally:
                 del os.environ[peer_copy.ENV]
             # The forward kernels are deterministic; cuDNN's backward need not be, so the
             # gradients are held to the reference below, not to NCCL's bits.
             assert torch.equal(got[0], sent_by_nccl[0]), f"{where}: out differs from NCCL's"
-            layout = dr.SCHEDULE_LAYOUT[schedule]
-            whole = [dr.unshard_sequence(x, copies, dim=2, layout=layout) for x in got]
-            check_ratios(ratios(whole, single, reference), torch.bfloat16, where)
-            if layout != "contiguous":  # a wrong answer fails the same check
-                wrong = [dr.unshard_sequence(x, copies, dim=2, layout="contiguous")
-                         for x in got]
-                with pytest.raises(AssertionError):
-                    check_ratios(ratios(wrong, single, reference), torch.bfloat16, where)
+            check_whole(got, copies, schedule, single, reference, where)
         ring = peer_copy._RINGS[dist.group.WORLD.group_name]
         assert ring is not None, f"rank {rank}: the copy engines were not used"
         assert peer_copy._RINGS[nccl.get_group().group_name] is None

@@ -29,9 +29,10 @@ from dtensor_ring.schedules.windowed import dense_plan, exchange_rows
 
 
 def window_mask(positions_q, positions_k, window, is_causal, cu_seqlens=None):
-    """[Sq, Sk] booleans from global positions: the definition the tests hold the code to."""
+    """[Sq, Sk] booleans from global positions: the definition the tests hold the code to (on
+    the positions' device)."""
     q, k = positions_q[:, None], positions_k[None, :]
-    seen = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool)
+    seen = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
     left, right = window
     if left >= 0:
         seen &= k >= q - left
@@ -40,15 +41,16 @@ def window_mask(positions_q, positions_k, window, is_causal, cu_seqlens=None):
     elif right >= 0:
         seen &= k <= q + right
     if cu_seqlens is not None:
-        cu = torch.as_tensor(cu_seqlens)
+        cu = torch.as_tensor(cu_seqlens, device=q.device)
         seen &= (torch.searchsorted(cu, q, right=True) == torch.searchsorted(cu, k, right=True))
     return seen
 
 
 def windowed_sdpa(is_causal, window, cu_seqlens=None):
-    """The single-device kernel with the window as a mask (SDPA), whole sequences."""
+    """The single-device kernel with the window as a mask (SDPA), whole sequences (on q's
+    device)."""
     def fn(q, k, v):
-        positions = torch.arange(q.shape[2])
+        positions = torch.arange(q.shape[2], device=q.device)
         mask = window_mask(positions, positions, window, is_causal, cu_seqlens)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return fn

@@ -13,12 +13,12 @@ fails the same check.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-import dtensor_ring as dr
-from dtensor_ring.tools.numerics import attention_and_grads, check_ratios, make_inputs, ratios
+from dtensor_ring.tools.numerics import attention_and_grads, make_inputs
 from dist_utils import run_on_gpus
+from test_peer_copy import check_whole, results
+from test_windows import windowed_sdpa
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs several GPUs")
 
@@ -28,38 +28,18 @@ RUNS = [("ring", "fp32", False), ("zigzag", "fp32", False), ("zigzag", "exact", 
         ("zigzag", "fp32", True)]
 
 
-def _windowed_sdpa(left):
-    def fn(q, k, v):
-        i = torch.arange(q.shape[2], device=q.device)[:, None]
-        j = torch.arange(k.shape[2], device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j >= i - left),
-                                              enable_gqa=True)
-    return fn
-
-
 def _ranks(rank, world):
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
     q, k, v, dout = (x.cuda() for x in make_inputs(1, 8, 4, TOKENS * world, 128))
     bf16 = [x.bfloat16() for x in (q, k, v, dout)]
     for left in LEFTS:
-        reference = attention_and_grads(_windowed_sdpa(left), q, k, v, dout, torch.float64)
-        single = attention_and_grads(_windowed_sdpa(left), q, k, v, dout, torch.bfloat16)
+        sdpa = windowed_sdpa(True, (left, 0))
+        reference = attention_and_grads(sdpa, q, k, v, dout, torch.float64)
+        single = attention_and_grads(sdpa, q, k, v, dout, torch.bfloat16)
         for schedule, precision, compiled in RUNS:
             where = f"rank {rank}: window ({left}, 0), {schedule} {precision} compiled={compiled}"
-
-            def ring(a, b, c):
-                return dr.ring_attention(a, b, c, mesh=mesh, schedule=schedule, is_causal=True,
-                                         precision=precision, window=(left, 0))
-            fn = torch.compile(ring, fullgraph=True) if compiled else ring
-            layout = dr.SCHEDULE_LAYOUT[schedule]
-            shards = [dr.shard_sequence(x, mesh, dim=2, layout=layout) for x in bf16]
-            got = [x.contiguous() for x in attention_and_grads(fn, *shards, torch.bfloat16)]
-            whole = [dr.unshard_sequence(x, mesh, dim=2, layout=layout) for x in got]
-            check_ratios(ratios(whole, single, reference), torch.bfloat16, where)
-            if layout != "contiguous":  # a wrong answer fails the same check
-                wrong = [dr.unshard_sequence(x, mesh, dim=2, layout="contiguous") for x in got]
-                with pytest.raises(AssertionError):
-                    check_ratios(ratios(wrong, single, reference), torch.bfloat16, where)
+            got = results(mesh, schedule, precision, compiled, bf16, window=(left, 0))
+            check_whole(got, mesh, schedule, single, reference, where)
 
 
 def test_windowed_schedules_on_gpus_match_float64():
