@@ -266,3 +266,18 @@ def _no_recompile_for_the_same_window(mesh, failures):
     if counter.frame_count != 2:
         failures.append(f"rank {mesh.get_local_rank()}: {counter.frame_count} compiles for two "
                         "distinct windows")
+    # A window held by a closure that changes between calls: dynamo's automatic dynamic makes it
+    # symbolic at the second compile unless the op specializes it (the window is static).
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for window in [(5, 0), (9, 0), (13, 0)]:
+        def layer(a, b, c):
+            return dr.ring_attention(a, b, c, mesh=mesh, schedule="zigzag", is_causal=True,
+                                     window=window)
+        got = torch.compile(layer, backend=counter, fullgraph=True)(q, q[:, :2], q[:, :2])
+        if not torch.equal(got, layer(q, q[:, :2], q[:, :2])):
+            failures.append(f"rank {mesh.get_local_rank()}: window {window} from a closure, "
+                            "compiled, differs from eager")
+    if counter.frame_count != 3:
+        failures.append(f"rank {mesh.get_local_rank()}: {counter.frame_count} compiles for three "
+                        "windows from a closure")

@@ -32,6 +32,7 @@ With packed documents a block's rows are not one run (the layouts apply per docu
 window rides along as ``Positions``: the global positions of the block's rows and keys, and the
 window, applied with the block's segments and mask by the kernels that take it.
 """
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -85,10 +86,15 @@ def check_window(window) -> Optional[Window]:
              "itself (-1: unbounded)")
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(f"window={window!r} must be {valid}")
-    for side in window:
-        if isinstance(side, bool) or not isinstance(side, int) or side < -1:
-            raise ValueError(f"window={window!r} must be {valid}")
-    return Window(int(window[0]), int(window[1]))
+    if any(isinstance(side, bool) or not isinstance(side, int) for side in window):
+        raise ValueError(f"window={window!r} must be {valid}")
+    # operator.index, not int: under torch.compile a window that changed between calls arrives
+    # symbolic (automatic dynamic), and index specializes it (a guard on its value) where int
+    # would keep it symbolic. The window is a static attribute of the call.
+    left, right = map(operator.index, window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window={window!r} must be {valid}")
+    return Window(left, right)
 
 
 def effective_window(window: Optional[Window], is_causal: bool, span: int) -> Optional[Window]:
