@@ -38,8 +38,8 @@ document: the early part is every document's rows and keys before h (causal), th
 document's rows from h on against all of its keys (bottom-right causal: a document that starts
 before h keeps seeing its keys there). With zigzag's and stripe's placement (``layouts/
 placement.py``) only the long part's L rows travel (K/V and the dK/dV accumulators), the steps
-after the first attend the long part, and step 0 adds a block of the short documents, run with
-the early part; with no long document there is no exchange at all.
+after the first attend the long part, and step 0's block holds the short documents' segments
+after the long part's (split with them); with no long document there is no exchange at all.
 
 A sliding window (``window``) runs ``windowed.py`` instead: K/V only from the ranks within reach.
 """
@@ -100,11 +100,9 @@ class RingSchedule:
         src = (comm.rank - step) % comm.world_size
         blocks = self.layout.ring_blocks(local_len, comm.rank, src, comm.world_size, is_causal,
                                          docs)
-        # Step 0 (the rank's own K/V) starts with a block over every row: it starts the
-        # forward's accumulator, and the backward splits it (split_own). Without documents it is
-        # the only one, square; with placed documents a block of the short ones may follow.
-        assert step or blocks[0].q == slice(0, local_len)
-        assert step or docs is not None or (len(blocks) == 1 and blocks[0].k == blocks[0].q)
+        # Step 0 (the rank's own K/V) is one square block over every row: it starts the
+        # forward's accumulator, and the backward splits it (split_own).
+        assert step or (len(blocks) == 1 and blocks[0].q == blocks[0].k == slice(0, local_len))
         return blocks
 
     def _exchanged(self, local_len, world, docs):
@@ -182,11 +180,11 @@ class RingSchedule:
                     own_parts.append((block.k, *block_backward(kernel, dout, q, k, v, out, lse,
                                                                block, scale, dq_sums)))
 
-        first, *others = self._blocks(comm, 0, local_len, is_causal, docs)
+        (first,) = self._blocks(comm, 0, local_len, is_causal, docs)
         early, late = split_own(first, kernel.masks)
         pending_kv = (comm.send_recv_next(_rows([k, v], exchanged, local_len),
-                                          lambda: own(early + others)) if world > 1
-                      else own(early + others))
+                                          lambda: own(early)) if world > 1
+                      else own(early))
         pending_dkv = None
         for step in range(1, world):
             kv = pending_kv.wait()
