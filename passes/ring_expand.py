@@ -67,7 +67,7 @@ from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
 from dtensor_ring.hybrid.comm import traced_comms
 
-VERSION = "ring_expand-4"
+VERSION = "ring_expand-5"
 COUNTERS: collections.Counter = collections.Counter()
 
 
@@ -164,6 +164,7 @@ def expand_ring_attention(graph: torch.fx.Graph) -> int:
             # communicates again (zero under dr.save_ring_attention_context).
             COUNTERS["recomputed_ring_attention_fwd"] += 1
     _order_waits(graph)
+    _order_kernels(graph)
     graph.lint()
     return len(nodes)
 
@@ -200,6 +201,40 @@ def _order_waits(graph: torch.fx.Graph) -> None:
                 node.update_kwarg("after_post", last_post)
             if last_kernel is not None and position[last_kernel] > position[posted]:
                 node.update_kwarg("after_kernel", last_kernel)
+
+
+_AFTER = torch.ops.dtensor_ring.after_exchange.default
+
+
+def _lse_argument(node):
+    """The index of a backward attention kernel's LSE argument (None: not such a kernel)."""
+    if not (_is_attention(node) and "backward" in str(node.target)):
+        return None
+    names = [a.name for a in node.target._schema.arguments]
+    index = names.index("logsumexp") if "logsumexp" in names else None
+    return index if index is not None and index < len(node.args) else None
+
+
+def _order_kernels(graph: torch.fx.Graph) -> None:
+    """Each backward attention kernel after the last post before it in graph order (the
+    schedule's order), where nothing it reads depends on that post: its LSE argument is handed to
+    it through ``after_exchange`` (``comm/traced.py``). Inductor's peak-memory reordering moves
+    such a kernel (the backward's late own blocks) above the post otherwise."""
+    latest = {}  # node -> the graph position of the latest post it depends on (-1: none)
+    last_post = None
+    for i, node in enumerate(list(graph.nodes)):
+        depends = max((latest.get(a, -1) for a in node.all_input_nodes), default=-1)
+        if node.target is _POST:
+            latest[node], last_post = i, node
+            continue
+        lse = _lse_argument(node)
+        if lse is not None and last_post is not None and depends < latest[last_post]:
+            with graph.inserting_before(node):
+                ordered = graph.call_function(_AFTER, (node.args[lse], last_post))
+            ordered.meta["val"] = node.args[lse].meta["val"]
+            node.update_arg(lse, ordered)
+            depends = latest[last_post]
+        latest[node] = depends
 
 
 class RingExpandPass(CustomGraphPass):

@@ -5,7 +5,9 @@
   waited on exactly once, its wait holding the tensors sent (their last use: no buffer reuse
   while in flight) and, as dependencies that keep inductor from hoisting it, the last post before
   it in graph order where that is another (``after_post``) and the output of the last attention
-  kernel between its post and it, if any (``after_kernel``).
+  kernel between its post and it, if any (``after_kernel``); and every backward attention
+  kernel after the last post before it in graph order, through what it reads (else inductor
+  may move it above that post).
 * ``render``: the whole graph, one line per exchange posted (its kind, the shapes sent), wait (the
   shapes received) and attention kernel (query and key shapes, its mask), in graph order; each
   line ends with the number of other ops (merges, slicing, casts) that follow it. Pins which
@@ -24,6 +26,7 @@ import dtensor_ring  # noqa: F401 - registers the ops
 
 POST = torch.ops.dtensor_ring.post_exchange.default
 WAIT = torch.ops.dtensor_ring.wait_exchange.default
+AFTER = torch.ops.dtensor_ring.after_exchange.default
 
 
 def _arg(node, name, default=None):
@@ -67,8 +70,14 @@ def check_exchanges(graph: torch.fx.Graph) -> list:
     in the order posted."""
     last, pairs = {}, []  # group name -> its last post so far
     latest, output, position = None, None, {}  # the last post; the last kernel's first output
+    depends = {}  # node -> the position of the latest post it reads through its inputs (-1)
     for i, node in enumerate(graph.nodes):
         position[node] = i
+        depends[node] = i if node.target is POST else max(
+            (depends.get(a, -1) for a in node.all_input_nodes), default=-1)
+        if is_kernel(node) and "backward" in str(node.target) and latest is not None:
+            assert depends[node] >= position[latest], (
+                f"{node} does not depend on {latest}, the last post before it")
         if (node.target is operator.getitem and is_kernel(node.args[0])
                 and (output is None or output.args[0] is not node.args[0])):
             output = node
@@ -92,7 +101,7 @@ def check_exchanges(graph: torch.fx.Graph) -> list:
         assert len(waits) == 1, f"{node} is waited on {len(waits)} times"
         others = [u for u in node.users
                   if not (u.target is WAIT and (u.args[0] is node or _arg(u, "after_post") is node))
-                  and not (u.target is POST and u.args[1] is node)]
+                  and not (u.target is POST and u.args[1] is node) and u.target is not AFTER]
         assert not others, f"{node}'s handle used by {others}"
         (wait,) = waits
         assert wait.args[2] == node.args[2], f"{wait} waits a {wait.args[2]}, not {node.args[2]}"
