@@ -29,7 +29,7 @@ import torch
 
 from .comm.simulated import simulated_mesh
 from .hybrid.schedule import placed_schedule
-from .kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, MASKS, NONE, BlockKernel
+from .kernels.base import CAUSAL, MASKS, NONE, BlockKernel
 from .schedules import get_schedule
 
 BACKWARD_FLOPS = 2.5  # the backward's flops per forward flop (5 matmuls to 2)

@@ -468,11 +468,11 @@ def _bytes_sent(mesh, cu):
     failures = []
     for schedule in ("zigzag", "llama3", "stripe"):
         sent = []
-        for documents in (cu, None):
+        for boundaries in (cu, None):
             TRAFFIC.clear()
             q_, k_, v_ = (x.detach().requires_grad_() for x in (q, k, v))
             dr.ring_attention(q_, k_, v_, mesh=mesh, schedule=schedule, is_causal=True,
-                              cu_seqlens=documents).backward(dout)
+                              cu_seqlens=boundaries).backward(dout)
             sent.append(TRAFFIC["bytes"])
         if sent[0] * local != sent[1] * long_rows or not long_rows:
             failures.append(f"{schedule}: {sent[0]} bytes with documents, {sent[1]} without; "

@@ -9,7 +9,6 @@ rel-RMS <= 1e-5 for the loss (the mean of the ranks' losses) and for every gradi
 The README's data must catch the mistake it shows the fix for: weighting each token by 1 / (W x
 its rank's count of valid labels), a mean of per-rank means, misses by more than 100x.
 """
-import copy
 import re
 from pathlib import Path
 

@@ -23,8 +23,8 @@ from dtensor_ring.layouts import LAYOUTS, Segments
 from dtensor_ring.layouts.placement import placement_of
 from dtensor_ring.layouts.windows import (Band, Positions, Window, as_band, band_block,
                                           check_window, effective_window, split_rows)
-from dtensor_ring.tools.numerics import (TOLERANCE, attention_and_grads, check_ratios, make_inputs,
-                                         ratios, rel_rms)
+from dtensor_ring.tools.numerics import (attention_and_grads, check_ratios, make_inputs, ratios,
+                                         rel_rms)
 from dtensor_ring.schedules.windowed import dense_plan, exchange_rows
 
 

@@ -68,7 +68,7 @@ def _attention(mesh, failures):
 
 
 def _documents(mesh, failures):
-    world, rank = mesh.size(), mesh.get_local_rank()
+    rank = mesh.get_local_rank()
     cu = [0, 32, 48, 128]
     q, k, v, dout = make_inputs(1, 4, 2, 128, 16, seed=12)
     sdpa = windowed_sdpa(True, (6, 0), cu)
