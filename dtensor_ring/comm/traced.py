@@ -42,8 +42,8 @@ What inductor must not do, and how it is kept from it:
   operands are all local (the backward's late own blocks, after the dK/dV accumulator's post)
   depend on it through nothing, and inductor's peak-memory reordering moved them above it: the
   post then came after all the compute, its transfer exposed (measured on 2 H200s: compiled
-  zigzag's backward 1.01x eager's, 0.98x with the order kept). The pass hands such a block its
-  LSE through ``after_exchange`` (``_order_kernels``).
+  zigzag's fwd+bwd 1.01-1.02x eager's back to back, 0.99x with the order kept). The pass hands
+  such a block its LSE through ``after_exchange`` (``_order_kernels``).
 * Reuse a buffer being sent. Inductor plans the reuse of a buffer from its last use in the graph;
   the transfer reads it until the wait. ``wait_exchange`` takes the sent tensors too, only to be
   their last use. Both ops are ``flexible_layout``: under inductor's default constraint (the

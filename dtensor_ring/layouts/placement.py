@@ -34,8 +34,9 @@ Rank r's local rows, W = 2, one cut document c (zigzag: chunks c0..c3) and short
 
 Blocks (the ring's; llama3 gathers the long part the same way): step 0 attends the rank's own
 K/V in one varlen block: the long part causal per cut document (the layout's own segments), then
-each short document causal; steps src != rank attend the long part only, as the layout's per-document grid. The K/V
-exchanged are the long part's L rows: a short document's keys are needed by no other rank.
+each short document causal; steps src != rank attend the long part only, as the layout's
+per-document grid. The K/V exchanged are the long part's L rows: a short document's keys are
+needed by no other rank.
 
 The threshold (measured: docs/design.md, "Measurements behind design choices"): a varlen
 kernel costs about one tile of 128 q rows x 128 keys per tile pair it touches, full or not.
