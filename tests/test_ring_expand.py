@@ -240,8 +240,8 @@ llama3 causal fwd          all_gather 2                             512       1 
 llama3 causal bwd          all_gather 2, reduce_scatter 2          2560       2      0    0    4   2304 509
 llama3 full fwd            all_gather 2                             512       1      0    2    0   4096 128
 llama3 full bwd            all_gather 2, reduce_scatter 2          2560       2      0    2    0   4096 342
-zigzag causal fwd docs     send_recv_next 3                        1536       3      0    0    4   4096 419
-zigzag causal bwd docs     send_recv_next 6                        3072       6      0    0    5   3840 493
+zigzag causal fwd docs     send_recv_next 3                        1536       3      0    0    4   4096 418
+zigzag causal bwd docs     send_recv_next 6                        3072       6      0    0    5   3840 492
 llama3 causal fwd docs     all_gather 2                             512       2      0    0    5   9216 687
 ring causal fwd window 3   send_recv+1 1                             96       1      0    0    2   1060  91
 ring causal bwd window 3   send_recv+1 1, send_recv-1 1             192       2      0    0    3    644 188

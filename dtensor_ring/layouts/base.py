@@ -61,7 +61,7 @@ class Layout:
         (with documents: each document's rows against its keys)."""
         if docs is not None and self.places_documents:
             placement = placement_of(docs, world_size, local_len)
-            return (placement.own_blocks(self, rank, is_causal) if src == rank
+            return (placement.own_blocks(rank, is_causal) if src == rank
                     else placement.long_blocks(self, rank, src, is_causal))
         if docs is not None:
             return self.document_ring_blocks(local_len, rank, src, world_size, is_causal, docs)

@@ -207,32 +207,23 @@ class Placement:
             return torch.tensor([lo, *ends], dtype=torch.int32).to(self.cu.device)
         return self.docs.cached(("placement_short", self.world, self.local_len, rank), make)
 
-    def own_blocks(self, layout, rank: int, is_causal: bool):
+    def own_blocks(self, rank: int, is_causal: bool):
         """Step 0's block (the rank's own K/V): one varlen block over every row, the long part's
-        own segments (the layout's) then the short documents', so that one kernel call covers
-        both (measured: two calls cost 0.10 ms more per forward and 0.21 ms per backward than
-        one, on an H200 at 8K tokens per GPU, 32/8 heads)."""
-        return self.docs.cached(("placement_own", layout.name, self.world, self.local_len, rank,
-                                 is_causal), lambda: [self._own_block(layout, rank, is_causal)])
+        own segments then the short documents', so that one kernel call covers both (measured:
+        two calls cost 0.10 ms more per forward and 0.21 ms per backward than one, on an H200 at
+        8K tokens per GPU, 32/8 heads). The long part's own segments are each cut document's
+        local rows, square, as zigzag's and stripe's own block has them; traced, one entry per
+        document (empty ones for the short documents)."""
+        return self.docs.cached(("placement_own", self.world, self.local_len, rank, is_causal),
+                                lambda: [self._own_block(rank, is_causal)])
 
-    def _own_block(self, layout, rank, is_causal):
-        mask = "causal" if is_causal else "none"
+    def _own_block(self, rank, is_causal):
         every = slice(0, self.local_len)
-        if not self.known:
-            bounds = torch.cat([(self.long_cu // self.world).to(torch.int32),
-                                self.short_bounds(rank)[1:]])
-            longest = max(self.docs.max_len // self.world, self.max_short)
-            return Block(every, every, mask, Segments(bounds, bounds, longest, longest))
-        short = self.short_bounds(rank)  # [L, ...]: its documents' ends, as local rows
-        if not self.long_rows:
-            return Block(every, every, mask, Segments(short, short, self.max_short,
-                                                      self.max_short))
-        (own,) = layout.document_ring_blocks(self.long_rows, rank, rank, self.world, is_causal,
-                                             self.long)
-        seg = own.segments  # square segments (cu_q == cu_k) over the long part's L rows
-        bounds = torch.cat([seg.cu_q, short[1:]])
-        longest = max(seg.max_q, self.max_short if self.short_rows else 1)
-        return Block(every, every, own.mask, Segments(bounds, bounds, longest, longest))
+        bounds = torch.cat([torch.div(self.long.cu, self.world, rounding_mode="floor"),
+                            self.short_bounds(rank)[1:]]).to(torch.int32)
+        longest = max(self.long.max_len // self.world, self.max_short)
+        return Block(every, every, "causal" if is_causal else "none",
+                     Segments(bounds, bounds, longest, longest))
 
     def short_block(self, rank: int, is_causal: bool):
         """The block of rank ``rank``'s short documents on its own K/V (None if it holds none):
