@@ -130,11 +130,11 @@ class RingSchedule:
                 return attend_(kernel, q, *kv, block, scale, out, lse, fresh=fresh)
             return (*forward_block(kernel, q, *kv, block, scale), block.q)
 
-        own = self._blocks(comm, 0, local_len, is_causal, docs)
-        own_results = []
+        (own,) = self._blocks(comm, 0, local_len, is_causal, docs)
+        own_result = []
 
         def launch_own():
-            own_results.extend(attend([k, v], block, fresh=True) for block in own)
+            own_result.append(attend([k, v], own, fresh=True))
 
         # The first K/V hop hides behind the own block (the communicator orders the two).
         pending = (comm.send_recv_next(_rows([k, v], exchanged, local_len), launch_own)
@@ -142,9 +142,8 @@ class RingSchedule:
         steps = [self._blocks(comm, step, local_len, is_causal, docs)
                  for step in range(1, n_steps)]
         if not kernel.exact:  # the block results merged as they come (ForwardMerge)
-            merged = ForwardMerge(q, len(own) + sum(map(len, steps)))
-            for result in own_results:
-                merged.add(*result)
+            merged = ForwardMerge(q, 1 + sum(map(len, steps)))
+            merged.add(*own_result[0])
         for step, blocks in enumerate(steps, start=1):
             kv = pending.wait()
             pending = comm.send_recv_next(kv) if step < n_steps - 1 else None
