@@ -14,11 +14,12 @@ Before (forward, zigzag, W = 4, rank 0):
 
 After (abridged; ``tests/test_ring_expand.py`` pins rank 1's full sequence):
 
-    kv_1 = dtensor_ring.post_exchange([k, v], None, 'send_recv_next', '0')    # K/V for step 1
+    kv_1 = dtensor_ring.begin_exchange([k, v], None, '0')                      # K/V for step 1
     attn = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)  # step 0 block
+    kv_1p = dtensor_ring.post_begun_exchange(kv_1, attn[0])   # (NCCL posted at the begin)
     ... fp32 accumulator init (a copy of the block) ...
-    k_1, v_1 = dtensor_ring.wait_exchange(kv_1, [k, v], 'send_recv_next', 4)
-    kv_2 = dtensor_ring.post_exchange([k_1, v_1], kv_1, 'send_recv_next', '0')  # step 2's
+    k_1, v_1 = dtensor_ring.wait_exchange(kv_1p, [k, v], 'send_recv_next', 4)
+    kv_2 = dtensor_ring.post_exchange([k_1, v_1], kv_1p, 'send_recv_next', '0')  # step 2's
     attn_1 = ...(q[S/2:], k_1, v_1, 0.0, False)                                  # step 1 block
     ... fp32 merge ... (and so on for steps 2 and 3)
 
@@ -67,7 +68,7 @@ from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
 from dtensor_ring.hybrid.comm import traced_comms
 
-VERSION = "ring_expand-5"
+VERSION = "ring_expand-6"
 COUNTERS: collections.Counter = collections.Counter()
 
 
@@ -170,6 +171,9 @@ def expand_ring_attention(graph: torch.fx.Graph) -> int:
 
 
 _POST = torch.ops.dtensor_ring.post_exchange.default
+_BEGIN = torch.ops.dtensor_ring.begin_exchange.default
+_BEGUN = torch.ops.dtensor_ring.post_begun_exchange.default
+_POSTS = (_POST, _BEGIN, _BEGUN)  # each posts (part of) an exchange (comm/traced.py)
 _WAIT = torch.ops.dtensor_ring.wait_exchange.default
 
 
@@ -185,12 +189,17 @@ def _order_waits(graph: torch.fx.Graph) -> None:
     schedule's order, as eager runs it), through ``wait_exchange``'s ``after_post`` and
     ``after_kernel``: inductor would otherwise hoist waits above the blocks they were posted to
     overlap (``comm/traced.py``). The kernel counts only where it comes after the wait's own
-    post: it is what overlaps it. A kernel is represented by its first output read (a tensor
-    node)."""
+    post: it is what overlaps it. Likewise each ``post_begun_exchange`` after the last kernel
+    launched since its begin (``after_kernel``). A kernel is represented by its first output
+    read (a tensor node)."""
     position, last_post, last_kernel = {}, None, None
     for i, node in enumerate(graph.nodes):
         position[node] = i
-        if node.target is _POST:
+        if node.target is _BEGUN:
+            begun = node.args[0]
+            if last_kernel is not None and position[last_kernel] > position[begun]:
+                node.update_kwarg("after_kernel", last_kernel)
+        if node.target in _POSTS:
             last_post = node
         elif (node.target is operator.getitem and _is_attention(node.args[0])
               and (last_kernel is None or last_kernel.args[0] is not node.args[0])):
@@ -224,7 +233,7 @@ def _order_kernels(graph: torch.fx.Graph) -> None:
     last_post = None
     for i, node in enumerate(list(graph.nodes)):
         depends = max((latest.get(a, -1) for a in node.all_input_nodes), default=-1)
-        if node.target is _POST:
+        if node.target in _POSTS:
             latest[node], last_post = i, node
             continue
         lse = _lse_argument(node)

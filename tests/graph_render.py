@@ -7,11 +7,13 @@
   it in graph order where that is another (``after_post``) and the output of the last attention
   kernel between its post and it, if any (``after_kernel``); and every backward attention
   kernel after the last post before it in graph order, through what it reads (else inductor
-  may move it above that post).
-* ``render``: the whole graph, one line per exchange posted (its kind, the shapes sent), wait (the
-  shapes received) and attention kernel (query and key shapes, its mask), in graph order; each
-  line ends with the number of other ops (merges, slicing, casts) that follow it. Pins which
-  exchange is posted before which block, not node names.
+  may move it above that post). A shift begun before a step's kernels (``begin_exchange``) is
+  posted (``post_begun_exchange``) next on its group, after the last of those kernels.
+* ``render``: the whole graph, one line per exchange posted or begun (its kind, the shapes
+  sent), begun exchange's second half ("posted"), wait (the shapes received) and attention
+  kernel (query and key shapes, its mask), in graph order; each line ends with the number of
+  other ops (merges, slicing, casts) that follow it. Pins which exchange is posted before which
+  block, not node names.
 * ``counts``: the same graph in numbers: exchanges by kind (send_recv: +offset; @group where
   named), the elements they send, how many have an attention kernel between post and wait
   (overlapped), kernels by mask, the attention scores they compute (query rows x keys, summed),
@@ -25,6 +27,8 @@ import torch
 import dtensor_ring  # noqa: F401 - registers the ops
 
 POST = torch.ops.dtensor_ring.post_exchange.default
+BEGIN = torch.ops.dtensor_ring.begin_exchange.default  # a shift posted in two halves: its first
+BEGUN = torch.ops.dtensor_ring.post_begun_exchange.default  # and its second
 WAIT = torch.ops.dtensor_ring.wait_exchange.default
 AFTER = torch.ops.dtensor_ring.after_exchange.default
 
@@ -59,21 +63,26 @@ def _group(post, groups) -> str:
     return f"@{groups[name]}" if groups and name in groups else ""
 
 
+def _kind(post) -> str:
+    """The exchange's kind (a begun exchange is a ring shift)."""
+    return "send_recv_next" if post.target is BEGIN else post.args[2]
+
+
 def _label(post, groups) -> str:
     """``kind``, then ``+offset`` (send_recv: to rank + offset), then ``@group`` if named."""
     offset = _arg(post, "offset", 0)
-    return f"{post.args[2]}{f'{offset:+d}' if offset else ''}{_group(post, groups)}"
+    return f"{_kind(post)}{f'{offset:+d}' if offset else ''}{_group(post, groups)}"
 
 
 def check_exchanges(graph: torch.fx.Graph) -> list:
     """Raise AssertionError where an exchange breaks the rules above; return (post, wait) pairs
-    in the order posted."""
-    last, pairs = {}, []  # group name -> its last post so far
+    in the order posted (a begun exchange's post: its ``begin_exchange``)."""
+    last, pairs = {}, []  # group name -> the handle its next post must be chained after
     latest, output, position = None, None, {}  # the last post; the last kernel's first output
     depends = {}  # node -> the position of the latest post it reads through its inputs (-1)
     for i, node in enumerate(graph.nodes):
         position[node] = i
-        depends[node] = i if node.target is POST else max(
+        depends[node] = i if node.target in (POST, BEGIN, BEGUN) else max(
             (depends.get(a, -1) for a in node.all_input_nodes), default=-1)
         if is_kernel(node) and "backward" in str(node.target) and latest is not None:
             assert depends[node] >= position[latest], (
@@ -83,28 +92,42 @@ def check_exchanges(graph: torch.fx.Graph) -> list:
             output = node
         if node.target is WAIT:
             posted = node.args[0]
-            assert posted.target is POST, f"{node} waits on {posted}, not a post"
+            assert posted.target in (POST, BEGUN), f"{node} waits on {posted}, not a post"
             want = None if latest is posted else latest
             assert _arg(node, "after_post") is want, (
                 f"{node} waits after {_arg(node, 'after_post')}, not after {want}, the last post")
             want = output if output is not None and position[output] > position[posted] else None
             assert _arg(node, "after_kernel") is want, (
                 f"{node} waits after kernel {_arg(node, 'after_kernel')}, not after {want}")
-        if node.target is not POST:
+        if node.target is BEGUN:
+            begun = node.args[0]
+            assert begun.target is BEGIN, f"{node} posts {begun}, not a begun exchange"
+            group = _arg(begun, "group_name")
+            assert last.get(group) is begun, f"{node} is not the next post after {begun}"
+            want = output if output is not None and position[output] > position[begun] else None
+            assert _arg(node, "after_kernel") is want, (
+                f"{node} posts after kernel {_arg(node, 'after_kernel')}, not after {want}")
+            latest = last[group] = node
+        if node.target not in (POST, BEGIN):
             continue
         latest = node
         group = _arg(node, "group_name")
         assert node.args[1] is last.get(group), (
             f"{node} is not chained after {last.get(group)}, the last post on group {group}")
-        last[group] = node
-        waits = [u for u in node.users if u.target is WAIT and u.args[0] is node]
+        last[group] = handle = node
+        if node.target is BEGIN:
+            (handle,) = [u for u in node.users if u.target is BEGUN]
+        for used in {node, handle}:
+            others = [u for u in used.users
+                      if not (u.target in (WAIT, BEGUN)
+                              and (u.args[0] is used or _arg(u, "after_post") is used))
+                      and not (u.target in (POST, BEGIN) and u.args[1] is used)
+                      and u.target is not AFTER]
+            assert not others, f"{used}'s handle used by {others}"
+        waits = [u for u in handle.users if u.target is WAIT and u.args[0] is handle]
         assert len(waits) == 1, f"{node} is waited on {len(waits)} times"
-        others = [u for u in node.users
-                  if not (u.target is WAIT and (u.args[0] is node or _arg(u, "after_post") is node))
-                  and not (u.target is POST and u.args[1] is node) and u.target is not AFTER]
-        assert not others, f"{node}'s handle used by {others}"
         (wait,) = waits
-        assert wait.args[2] == node.args[2], f"{wait} waits a {wait.args[2]}, not {node.args[2]}"
+        assert wait.args[2] == _kind(node), f"{wait} waits a {wait.args[2]}, not {_kind(node)}"
         assert list(wait.args[1]) == list(node.args[0]), f"{wait} holds not what {node} sent"
         pairs.append((node, wait))
     return pairs
@@ -117,11 +140,13 @@ def render(graph: torch.fx.Graph, groups: dict | None = None) -> str:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target is POST:
+        if node.target in (POST, BEGIN):
             sent = ", ".join(_shape(t) for t in node.args[0])
             offset = _arg(node, "offset", 0)
             sent += f", offset {offset}" if offset else ""
-            lines.append([f"{node.args[2]}({sent}) {_group(node, groups)}".strip(), 0])
+            lines.append([f"{_kind(node)}({sent}) {_group(node, groups)}".strip(), 0])
+        elif node.target is BEGUN:
+            lines.append(["posted", 0])
         elif node.target is WAIT:
             received = ", ".join("x".join(map(str, v.shape)) for v in node.meta["val"])
             lines.append([f"wait({received})", 0])

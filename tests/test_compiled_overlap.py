@@ -19,6 +19,9 @@ import dtensor_ring as dr
 
 _POST = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.post_exchange\.default\(.*"
                    r"'(send_recv_next|send_recv|all_gather|reduce_scatter)', '[^']*'(, .*)?\)$")
+_BEGIN = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.begin_exchange\.default\(")
+_BEGUN = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.post_begun_exchange\.default\((\w+)")
+_POSTS = re.compile(r"(post|begin)_exchange\.default\(")  # one per exchange
 _WAIT = re.compile(r"torch\.ops\.dtensor_ring\.wait_exchange\.default\((\w+),")
 _ALIAS = re.compile(r"^(\w+) = (\w+)$")
 _ATTENTION = re.compile(r"torch\.ops\.aten\._scaled_dot_product\w*attention")
@@ -26,13 +29,21 @@ _ATTENTION = re.compile(r"torch\.ops\.aten\._scaled_dot_product\w*attention")
 
 def exchanges_without_overlap(code: str) -> list[str]:
     """The kinds of the exchanges of ``code`` (inductor's output) waited on with no attention
-    kernel between their post and their wait, in the order of their waits."""
+    kernel between their post and their wait, in the order of their waits. A shift posted in
+    two halves (``begin_exchange``, ``post_begun_exchange``) counts from its begin, and is
+    reported too ("... posted before its kernel") if no kernel comes between its halves."""
     posted, names, bad = {}, {}, []  # handle -> attention kernels seen before its post
     kernels = 0
     for line in (raw.strip() for raw in code.splitlines()):
         if (post := _POST.match(line)) is not None:
             posted[post.group(1)] = kernels
             names[post.group(1)] = post.group(2)
+        elif (begin := _BEGIN.match(line)) is not None:
+            posted[begin.group(1)], names[begin.group(1)] = kernels, "send_recv_next"
+        elif (begun := _BEGUN.match(line)) is not None:
+            if posted[begun.group(2)] == kernels:  # nothing launched between the halves
+                bad.append("send_recv_next posted before its kernel")
+            posted[begun.group(1)], names[begun.group(1)] = posted[begun.group(2)], "send_recv_next"
         elif (alias := _ALIAS.match(line)) is not None and alias.group(2) in posted:
             posted[alias.group(1)] = posted[alias.group(2)]  # bufN = bufM: the same handle
             names[alias.group(1)] = names[alias.group(2)]
@@ -68,7 +79,7 @@ def compiled_code(mesh, schedule, dtype=torch.float32, window=None) -> str:
 @pytest.mark.parametrize("schedule", ["zigzag", "llama3"])
 def test_every_exchange_overlaps_attention_in_the_compiled_code(mesh, schedule):
     code = compiled_code(mesh, schedule)
-    posts = len(re.findall(r"post_exchange\.default\(", code))
+    posts = len(_POSTS.findall(code))
     # zigzag: 3 K/V shifts forward, 3 K/V + 3 dK/dV backward, each overlapping a step's blocks.
     # llama3: 2 head groups' gathers forward, 2 gathers + 2 reduce-scatters backward; as eagerly,
     # with a kernel that has the bottom-right mask (the CPU one) the first gather of each pass
@@ -99,7 +110,7 @@ def test_llama3_with_a_top_left_causal_kernel_overlaps_as_eagerly(mesh, top_left
     eager schedule. Inductor once sank each group's dK/dV (and so its reduce-scatter's post)
     below the next group's blocks and waited on it at once."""
     code = compiled_code(mesh, "llama3", torch.bfloat16)
-    assert len(re.findall(r"post_exchange\.default\(", code)) == 6, code
+    assert len(_POSTS.findall(code)) == 6, code
     assert exchanges_without_overlap(code) == ["reduce_scatter"], code
 
 
@@ -108,7 +119,7 @@ def test_windowed_zigzag_overlaps_every_exchange(mesh):
     reach, K/V forward, K/V and dK/dV backward): every exchange overlaps attention. Before waits
     took their kernel as a dependency, inductor hoisted all six of the backward's."""
     code = compiled_code(mesh, "zigzag", torch.bfloat16, window=(47, 0))
-    assert len(re.findall(r"post_exchange\.default\(", code)) == 9, code
+    assert len(_POSTS.findall(code)) == 9, code
     assert exchanges_without_overlap(code) == [], code
 
 
@@ -123,3 +134,12 @@ buf3 = torch.ops.dtensor_ring.wait_exchange.default(buf1, [a, b], 'send_recv_nex
     lines = overlapped.strip().splitlines()
     serial = "\n".join([lines[0], lines[1], lines[3], lines[2]])
     assert exchanges_without_overlap(serial) == ["send_recv_next"]
+    begun = """
+buf0 = torch.ops.dtensor_ring.begin_exchange.default([a, b], None, '0')
+buf1 = torch.ops.aten._scaled_dot_product_cudnn_attention.default(q, a, b)
+buf2 = torch.ops.dtensor_ring.post_begun_exchange.default(buf0, buf1)
+buf3 = torch.ops.dtensor_ring.wait_exchange.default(buf2, [a, b], 'send_recv_next', 4)"""
+    assert exchanges_without_overlap(begun) == []
+    lines = begun.strip().splitlines()
+    assert exchanges_without_overlap("\n".join([lines[0], lines[2], lines[3], lines[1]])) == [
+        "send_recv_next posted before its kernel", "send_recv_next"]

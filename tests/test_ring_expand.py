@@ -31,7 +31,7 @@ from dtensor_ring.hybrid import ops as hybrid_ops
 from dtensor_ring.passes import (COUNTERS, ComposedPass, RingExpandPass, expand_ring_attention,
                                  install)
 from dtensor_ring.passes.ring_expand import source_key
-from graph_render import AFTER, check_exchanges, count_table, counts, render
+from graph_render import AFTER, BEGUN, check_exchanges, count_table, counts, render
 
 Q = torch.randn(1, 4, 16, 8)
 KV = torch.randn(1, 2, 16, 8)
@@ -116,7 +116,8 @@ class RingExpandTest(FakeWorld):
         """Each K/V shift posted before the block it overlaps, waited on after it."""
         self.assertExpectedInline(render(*expanded("zigzag", True, False)), """\
 send_recv_next(1x2x16x8, 1x2x16x8)         +3 ops
-attn(q 1x4x16x8, k 1x2x16x8, causal)       +3 ops
+attn(q 1x4x16x8, k 1x2x16x8, causal)       +2 ops
+posted                                     +1 ops
 wait(1x2x16x8, 1x2x16x8)                   +2 ops
 send_recv_next(1x2x16x8, 1x2x16x8)         +3 ops
 attn(q 1x4x16x8, k 1x2x8x8, full)          +2 ops
@@ -130,6 +131,7 @@ attn(q 1x4x8x8, k 1x2x16x8, full)          +78 ops""")
         self.assertExpectedInline(render(*expanded("zigzag", True, True)), """\
 send_recv_next(1x2x16x8, 1x2x16x8)         +7 ops
 attn_bwd(q 1x4x8x8, k 1x2x8x8, causal)     +3 ops
+posted
 wait(1x2x16x8, 1x2x16x8)                   +2 ops
 send_recv_next(1x2x16x8, 1x2x16x8)         +11 ops
 attn_bwd(q 1x4x16x8, k 1x2x8x8, full)      +11 ops
@@ -201,14 +203,16 @@ all_to_all(2x8x1x4x8) @a2a
 wait(2x8x1x4x8)                            +29 ops
 all_to_all(2x8x1x4x8) @a2a
 send_recv_next(1x1x16x8, 1x1x16x8) @ring   +3 ops
-attn(q 1x2x16x8, k 1x1x16x8, causal)       +3 ops
+attn(q 1x2x16x8, k 1x1x16x8, causal)       +2 ops
+posted                                     +1 ops
 wait(1x1x16x8, 1x1x16x8)                   +5 ops
 attn(q 1x2x8x8, k 1x1x16x8, full)          +40 ops
 all_to_all(2x1x2x8x8) @a2a                 +7 ops
 all_to_all(2x1x2x8) @a2a
 wait(2x8x1x4x8)                            +7 ops
 send_recv_next(1x1x16x8, 1x1x16x8) @ring   +3 ops
-attn(q 1x2x16x8, k 1x1x16x8, causal)       +3 ops
+attn(q 1x2x16x8, k 1x1x16x8, causal)       +2 ops
+posted                                     +1 ops
 wait(1x1x16x8, 1x1x16x8)                   +5 ops
 attn(q 1x2x8x8, k 1x1x16x8, full)          +31 ops
 wait(2x1x2x8x8)                            +10 ops
@@ -224,30 +228,30 @@ wait(2x1x2x8)                              +10 ops""")
         Full attention is one graph whatever the layout."""
         self.assertExpectedInline(count_table({_name(*c): expanded(*c) for c in CASES}), """\
                            exchanges                               sent overlap causal full mask scores ops
-ring causal fwd            send_recv_next 3                        1536       2      1    1    0   2048  51
-ring causal bwd            send_recv_next 6                        3072       3      1    1    1   1792 145
-ring full fwd              send_recv_next 3                        1536       3      0    4    0   4096 113
-ring full bwd              send_recv_next 6                        3072       6      0    5    0   4096 185
-zigzag causal fwd          send_recv_next 3                        1536       3      1    3    0   2560 113
-zigzag causal bwd          send_recv_next 6                        3072       6      1    3    1   2304 205
-zigzag full fwd            send_recv_next 3                        1536       3      0    4    0   4096 113
-zigzag full bwd            send_recv_next 6                        3072       6      0    5    0   4096 185
-stripe causal fwd          send_recv_next 3                        1536       3      4    0    0   3848 113
-stripe causal bwd          send_recv_next 6                        3072       6      4    0    1   3592 201
-stripe full fwd            send_recv_next 3                        1536       3      0    4    0   4096 113
-stripe full bwd            send_recv_next 6                        3072       6      0    5    0   4096 185
+ring causal fwd            send_recv_next 3                        1536       2      1    1    0   2048  52
+ring causal bwd            send_recv_next 6                        3072       3      1    1    1   1792 146
+ring full fwd              send_recv_next 3                        1536       3      0    4    0   4096 114
+ring full bwd              send_recv_next 6                        3072       6      0    5    0   4096 186
+zigzag causal fwd          send_recv_next 3                        1536       3      1    3    0   2560 114
+zigzag causal bwd          send_recv_next 6                        3072       6      1    3    1   2304 206
+zigzag full fwd            send_recv_next 3                        1536       3      0    4    0   4096 114
+zigzag full bwd            send_recv_next 6                        3072       6      0    5    0   4096 186
+stripe causal fwd          send_recv_next 3                        1536       3      4    0    0   3848 114
+stripe causal bwd          send_recv_next 6                        3072       6      4    0    1   3592 202
+stripe full fwd            send_recv_next 3                        1536       3      0    4    0   4096 114
+stripe full bwd            send_recv_next 6                        3072       6      0    5    0   4096 186
 llama3 causal fwd          all_gather 2                             512       1      0    0    4   2304 236
 llama3 causal bwd          all_gather 2, reduce_scatter 2          2560       2      0    0    4   2304 509
 llama3 full fwd            all_gather 2                             512       1      0    2    0   4096 128
 llama3 full bwd            all_gather 2, reduce_scatter 2          2560       2      0    2    0   4096 342
-zigzag causal fwd docs     send_recv_next 3                        1536       3      0    0    4   4096 418
-zigzag causal bwd docs     send_recv_next 6                        3072       6      0    0    5   3840 492
+zigzag causal fwd docs     send_recv_next 3                        1536       3      0    0    4   4096 419
+zigzag causal bwd docs     send_recv_next 6                        3072       6      0    0    5   3840 493
 llama3 causal fwd docs     all_gather 2                             512       2      0    0    5   9216 687
 ring causal fwd window 3   send_recv+1 1                             96       1      0    0    2   1060  91
 ring causal bwd window 3   send_recv+1 1, send_recv-1 1             192       2      0    0    3    644 188
 zigzag causal fwd window 3 send_recv+1 1, send_recv+3 1             192       2      0    0    4    584 192
-hybrid causal fwd          all_to_all@a2a 6, send_recv_next@ring 2 2112       5      2    2    0   1536 232
-hybrid causal bwd          all_to_all@a2a 6, send_recv_next@ring 4 4160       7      2    2    2   1280 490""")
+hybrid causal fwd          all_to_all@a2a 6, send_recv_next@ring 2 2112       5      2    2    0   1536 234
+hybrid causal bwd          all_to_all@a2a 6, send_recv_next@ring 4 4160       7      2    2    2   1280 492""")
 
     def test_the_checks_fail_on_an_altered_graph(self):
         """zigzag's forward, altered as a broken pass would alter it."""
@@ -271,12 +275,17 @@ hybrid causal bwd          all_to_all@a2a 6, send_recv_next@ring 4 4160       7 
         graph.erase_node(post)
         self.assertEqual(counts(graph)["exchanges"], {"send_recv_next": 2})
         graph = fresh()  # a wait moved up to its post, above the kernel it must follow
-        post, wait = check_exchanges(graph)[0]
+        post, wait = check_exchanges(graph)[1]
         post.append(wait)
         with self.assertRaisesRegex(AssertionError, "waits after kernel"):
             counts(graph)
         wait.update_kwarg("after_kernel", None)  # and that dependency dropped: it overlaps nothing
         self.assertEqual(counts(graph)["overlapped"], 2)
+        graph = fresh()  # the first shift's second half free to move above the own block
+        (begun,) = [n for n in graph.nodes if n.target is BEGUN]
+        begun.update_kwarg("after_kernel", None)
+        with self.assertRaisesRegex(AssertionError, "posts after kernel None"):
+            counts(graph)
         # another schedule with the same exchanges: stripe's blocks
         self.assertNotEqual(counts(*expanded("stripe", True, False)), pinned)
         # the backward: a late own block that no longer reads its LSE through the dK/dV post
@@ -302,9 +311,11 @@ class PassPlumbingTest(FakeWorld):
 
         gm = make_fx(two, tracing_mode="fake")(Q, KV, KV, Q.clone(), KV.clone(), KV.clone())
         self.assertEqual(expand_ring_attention(gm.graph), 2)
-        posts = [post for post, _ in check_exchanges(gm.graph)]  # chained in graph order
-        self.assertEqual(len(posts), 6)  # 3 shifts per zigzag forward at W = 4
-        self.assertEqual([p.args[1] for p in posts], [None, *posts[:-1]])
+        pairs = check_exchanges(gm.graph)  # chained in graph order
+        self.assertEqual(len(pairs), 6)  # 3 shifts per zigzag forward at W = 4
+        # each after the handle of the one before (a begun shift's: its second half's)
+        handles = [wait.args[0] for _, wait in pairs]
+        self.assertEqual([post.args[1] for post, _ in pairs], [None, *handles[:-1]])
 
     def test_graph_without_ring_attention_is_untouched(self):
         def plain(q, k, v):

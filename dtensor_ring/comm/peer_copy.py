@@ -9,7 +9,7 @@ hide behind. A copy engine moves the bytes without any SM (docs/design.md, "Wher
 on real ranks", gives the measurements).
 
 One ring shift, on a side stream of high priority, after what the compute stream had queued when
-the call began (``send_recv_next``: its ``overlapping`` compute launches before the post):
+the call began (``begin_send_recv_next``: the compute it overlaps launches between its two halves):
 
     wait  FREE      rank+1 has emptied its arena (set by rank+1 after its last copy out)
     copy  ->  next  this rank's tensors into rank+1's arena (copy engine, over NVLink)
@@ -226,16 +226,13 @@ class PeerCopyRing:
                   + [(WAIT, a, 1) for a in mine_landed] + [(SET, a, 0) for a in mine_landed]),
             Batch([(SET, word(p, free_from + r), 1) for p in peers]))
 
-    def _post(self, sending, received, overlapping, steps) -> torch.cuda.Event:
-        """Runs ``steps`` on the side stream after what the compute stream has queued (after
-        ``overlapping``'s launch when given); the event marks their end."""
+    def _post(self, sending, received, ready, steps) -> torch.cuda.Event:
+        """Runs ``steps`` on the side stream after ``ready`` (an event on the compute stream), or
+        after all the compute stream has queued (None); the event returned marks their end."""
         stream, compute = self.stream, torch.cuda.current_stream(self.device)
-        if overlapping is None:
+        if ready is None:
             stream.wait_stream(compute)
         else:
-            ready = torch.cuda.Event()  # the tensors are ready here
-            ready.record(compute)
-            overlapping()
             stream.wait_event(ready)
         torch.cuda.set_stream(stream)  # the copies' stream (what torch.cuda.stream(...) does)
         try:
@@ -248,16 +245,21 @@ class PeerCopyRing:
             t.record_stream(stream)
         return landed
 
-    def send_recv_next(self, tensors: list[torch.Tensor], overlapping=None) -> _Landed:
-        """``Communicator.send_recv_next``: ``tensors`` (contiguous, on this rank's GPU) to rank+1;
-        ``wait()`` gives those of rank-1, fresh tensors of the same shapes.
+    def begin_send_recv_next(self, tensors: list[torch.Tensor]):
+        """``Communicator.send_recv_next`` in two halves: ``tensors`` (contiguous, on this rank's
+        GPU) to rank+1. This half marks the compute stream (the copies wait for what is queued
+        so far, nothing later) and returns the other, which posts the copies and returns the
+        ``Pending``: ``wait()`` gives rank-1's tensors, fresh tensors of the same shapes.
 
-        ``overlapping`` is launched first: the copies need no SM, so they can follow its kernels
-        onto the GPU and still run beside them, and its first kernel starts without waiting for
-        this post's host time. The copies wait only for what was queued before it."""
+        Launch the compute the shift overlaps between the two: the copies need no SM, so they
+        can follow its kernels onto the GPU and still run beside them, and its first kernel
+        starts without waiting for the post's host time."""
         theirs, mine = self._ring_views(tensors)
-        # allocated before ``overlapping``: no block its compute still uses can become them
+        # allocated before the compute launched between the halves: no block it still uses can
+        # become them
         received = [torch.empty_like(t) for t in tensors]
+        ready = torch.cuda.Event()  # the tensors are ready here
+        ready.record(torch.cuda.current_stream(self.device))
         before, after, emptied = self._ring_steps
 
         def steps():
@@ -268,7 +270,7 @@ class PeerCopyRing:
             for r, place in zip(received, mine):
                 r.copy_(place)
             emptied.post(self.stream)
-        return _Landed(self._post(tensors, received, overlapping, steps), received, self.device)
+        return lambda: _Landed(self._post(tensors, received, ready, steps), received, self.device)
 
     def holds(self, tensors: list[torch.Tensor], collective: bool = False) -> bool:
         """Whether ``tensors`` (a ring shift's; ``collective``: one piece of a collective) fit

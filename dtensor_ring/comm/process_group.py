@@ -6,7 +6,7 @@ import collections
 import torch
 import torch.distributed as dist
 
-from .base import _Done, posted_then, sum_in_rank_order
+from .base import _Done, sum_in_rank_order
 from .peer_copy import peer_copy_ring
 
 # torch 2.13 renamed the tensor collectives; 2.11 and 2.12 only have the old names.
@@ -62,21 +62,33 @@ class ProcessGroupComm:
         self._nccl = dist.get_backend(group) == "nccl"
 
     def send_recv_next(self, tensors, overlapping=None):
+        post = self.begin_send_recv_next(tensors)
+        if overlapping is not None:
+            overlapping()
+        return post()
+
+    def begin_send_recv_next(self, tensors):
+        """``send_recv_next(tensors, overlapping)`` in two halves, for a caller that launches the
+        overlapping compute itself between them (the compiled ring, ``traced.py``): this one
+        posts where the post must reach the GPU first (NCCL's kernels, gloo), or only marks the
+        compute stream (the copy engines, ``PeerCopyRing.begin_send_recv_next``); the function
+        it returns posts what is left and returns the ``Pending``."""
         if self.world_size == 1:
-            return posted_then(_Done(list(tensors)), overlapping)
+            done = _Done(list(tensors))
+            return lambda: done
         _count("send_recv_next", tensors)
         # Dense buffers (a model's k/v may be transposed views), for NCCL and the copy engines.
         tensors = [t.contiguous() for t in tensors]
         ring = self._copy_engines(tensors)
         if ring is not None:  # no SM to make room for
-            return ring.send_recv_next(tensors, overlapping)
+            return ring.begin_send_recv_next(tensors)
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self._next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
-        works = dist.batch_isend_irecv(ops)  # one NCCL group: one kernel
+        works = _Works(dist.batch_isend_irecv(ops), received)  # one NCCL group: one kernel
         if self._nccl:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
-        return posted_then(_Works(works, received), overlapping)
+        return lambda: works
 
     def send_recv(self, offset, send, recv_shapes):
         sending = [t.contiguous() for t in send if t.numel()]
