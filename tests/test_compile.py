@@ -54,12 +54,12 @@ def _error(result, reference):
     return max(rel_rms(loss.view(1), ref_loss.view(1)), rel_rms(flat, ref_flat))
 
 
-def _compiled_matches_eager(mesh, schedules):
+def _compiled_matches_eager(mesh, schedules, n_layers):
     # A cached graph skips the passes: compile afresh so the expansion is exercised and counted.
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     torch.manual_seed(0)
-    base = Llama(LlamaConfig())
+    base = Llama(LlamaConfig(n_layers=n_layers))
     gen = torch.Generator().manual_seed(1)
     ids, labels = (torch.randint(0, base.cfg.vocab_size, (2, 64), generator=gen) for _ in range(2))
     reference = _loss_and_grads(copy.deepcopy(base).double(), ids, labels)
@@ -90,18 +90,19 @@ def _compiled_matches_eager(mesh, schedules):
 
 
 # Every schedule compiled once (compiling the model on 4 CPU ranks is among the slowest steps of
-# the suite): the default schedule on 4 ranks, the others on 2 (a ring of two: both neighbours
-# are one rank; llama3's compiled all-gathers at W = 4 are read in test_compiled_overlap.py).
+# the suite): the default schedule on 4 ranks with two layers (each layer's exchanges chained
+# after the one before's), the others on 2 (a ring of two: both neighbours are one rank) with
+# one layer (llama3's compiled all-gathers at W = 4 are read in test_compiled_overlap.py).
 COMPILED_ON_4 = ("zigzag",)
 
 
 def test_compiled_context_parallel_llama_matches_eager():
     run_on_ranks(2, _compiled_matches_eager,
-                 tuple(s for s in sorted(dr.SCHEDULES) if s not in COMPILED_ON_4))
+                 tuple(s for s in sorted(dr.SCHEDULES) if s not in COMPILED_ON_4), 1)
 
 
 def test_compiled_context_parallel_llama_matches_eager_on_4_ranks():
-    run_on_ranks(4, _compiled_matches_eager, COMPILED_ON_4)
+    run_on_ranks(4, _compiled_matches_eager, COMPILED_ON_4, 2)
 
 
 def _head_dim_changes(mesh):
