@@ -317,6 +317,21 @@ class PassPlumbingTest(FakeWorld):
         handles = [wait.args[0] for _, wait in pairs]
         self.assertEqual([post.args[1] for post, _ in pairs], [None, *handles[:-1]])
 
+    def test_a_handle_from_elsewhere_is_refused(self):
+        """The exchange in flight travels on the handle (comm/traced.py): a tensor the posting op
+        did not return, or a handle used twice, is an error naming the op, not a silent hang."""
+        group, x = dist.group.WORLD.group_name, torch.randn(1, 2, 4, 8)
+        with self.assertRaisesRegex(RuntimeError, "begin_exchange did not return"):
+            torch.ops.dtensor_ring.post_begun_exchange(torch.empty(0))
+        begun = torch.ops.dtensor_ring.begin_exchange([x], None, group)
+        handle = torch.ops.dtensor_ring.post_begun_exchange(begun)
+        with self.assertRaisesRegex(RuntimeError, "or posted it twice"):
+            torch.ops.dtensor_ring.post_begun_exchange(begun)
+        (received,) = torch.ops.dtensor_ring.wait_exchange(handle, [x], "send_recv_next", 4)
+        self.assertEqual(received.shape, x.shape)
+        with self.assertRaisesRegex(RuntimeError, "post_exchange did not return .or waited"):
+            torch.ops.dtensor_ring.wait_exchange(handle, [x], "send_recv_next", 4)
+
     def test_graph_without_ring_attention_is_untouched(self):
         def plain(q, k, v):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v).relu() @ q.mT
