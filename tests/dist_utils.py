@@ -55,20 +55,24 @@ def run_on_ranks(world_size: int, fn, *args, mesh_shape=None, mesh_dim_names=Non
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_on_gpus(world_size: int, fn, *args) -> None:
-    """``fn(rank, world_size, *args)`` on ``world_size`` processes, one GPU each, with NCCL."""
+def run_on_gpus(world_size: int, fn, *args, timeout_s=300) -> None:
+    """``fn(rank, world_size, *args)`` on ``world_size`` processes, one GPU each, with NCCL. A
+    collective or send/recv that a rank never joins fails after ``timeout_s`` (NCCL's watchdog
+    names the stuck op in its log and ends the process) rather than after NCCL's default 10
+    minutes, longer than a device session's command may run."""
     with socket.socket() as s:  # a free port for the ranks to meet at
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_gpu_worker, args=(world_size, port, fn, args), nprocs=world_size,
-                       start_method="spawn")
+    mp.start_processes(_gpu_worker, args=(world_size, port, fn, args, timeout_s),
+                       nprocs=world_size, start_method="spawn")
 
 
-def _gpu_worker(rank, world_size, port, fn, args):
+def _gpu_worker(rank, world_size, port, fn, args, timeout_s):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world_size,
-                            device_id=torch.device("cuda", rank))
+                            device_id=torch.device("cuda", rank),
+                            timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
     finally:
