@@ -193,12 +193,16 @@ def _order_waits(graph: torch.fx.Graph) -> None:
     launched since its begin (``after_kernel``). A kernel is represented by its first output
     read (a tensor node)."""
     position, last_post, last_kernel = {}, None, None
+
+    def kernel_since(start):
+        """The last kernel after ``start`` in graph order, or None."""
+        return (last_kernel if last_kernel is not None and position[last_kernel] > position[start]
+                else None)
+
     for i, node in enumerate(graph.nodes):
         position[node] = i
-        if node.target is _BEGUN:
-            begun = node.args[0]
-            if last_kernel is not None and position[last_kernel] > position[begun]:
-                node.update_kwarg("after_kernel", last_kernel)
+        if node.target is _BEGUN and kernel_since(node.args[0]) is not None:
+            node.update_kwarg("after_kernel", kernel_since(node.args[0]))
         if node.target in _POSTS:
             last_post = node
         elif (node.target is operator.getitem and _is_attention(node.args[0])
@@ -208,8 +212,8 @@ def _order_waits(graph: torch.fx.Graph) -> None:
             posted = node.args[0]
             if last_post is not posted:
                 node.update_kwarg("after_post", last_post)
-            if last_kernel is not None and position[last_kernel] > position[posted]:
-                node.update_kwarg("after_kernel", last_kernel)
+            if kernel_since(posted) is not None:
+                node.update_kwarg("after_kernel", kernel_since(posted))
 
 
 _AFTER = torch.ops.dtensor_ring.after_exchange.default

@@ -80,6 +80,10 @@ def check_exchanges(graph: torch.fx.Graph) -> list:
     last, pairs = {}, []  # group name -> the handle its next post must be chained after
     latest, output, position = None, None, {}  # the last post; the last kernel's first output
     depends = {}  # node -> the position of the latest post it reads through its inputs (-1)
+
+    def kernel_since(start):  # the last kernel output after ``start`` in graph order, or None
+        return output if output is not None and position[output] > position[start] else None
+
     for i, node in enumerate(graph.nodes):
         position[node] = i
         depends[node] = i if node.target in (POST, BEGIN, BEGUN) else max(
@@ -96,7 +100,7 @@ def check_exchanges(graph: torch.fx.Graph) -> list:
             want = None if latest is posted else latest
             assert _arg(node, "after_post") is want, (
                 f"{node} waits after {_arg(node, 'after_post')}, not after {want}, the last post")
-            want = output if output is not None and position[output] > position[posted] else None
+            want = kernel_since(posted)
             assert _arg(node, "after_kernel") is want, (
                 f"{node} waits after kernel {_arg(node, 'after_kernel')}, not after {want}")
         if node.target is BEGUN:
@@ -104,7 +108,7 @@ def check_exchanges(graph: torch.fx.Graph) -> list:
             assert begun.target is BEGIN, f"{node} posts {begun}, not a begun exchange"
             group = _arg(begun, "group_name")
             assert last.get(group) is begun, f"{node} is not the next post after {begun}"
-            want = output if output is not None and position[output] > position[begun] else None
+            want = kernel_since(begun)
             assert _arg(node, "after_kernel") is want, (
                 f"{node} posts after kernel {_arg(node, 'after_kernel')}, not after {want}")
             latest = last[group] = node
