@@ -19,6 +19,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -331,6 +332,25 @@ class PassPlumbingTest(FakeWorld):
         self.assertEqual(received.shape, x.shape)
         with self.assertRaisesRegex(RuntimeError, "post_exchange did not return .or waited"):
             torch.ops.dtensor_ring.wait_exchange(handle, [x], "send_recv_next", 4)
+
+    def test_the_pinned_copy_has_eager_strides(self):
+        """``after_exchange`` (the pin of ``_order_kernels``) copies its input with the strides
+        eager gives it. Inductor laid a computed LSE [1, H, S, 1] out with stride 0 in its size-1
+        dims, and cuDNN's backward refused the copy that kept them (4 H200s, compiled windowed
+        zigzag). The real op and its fake agree."""
+        lse = torch.randn(8, 255)
+        inductors = lse.as_strided((1, 8, 255, 1), (0, 255, 1, 0))
+        handle = torch.empty(0)
+        copy = torch.ops.dtensor_ring.after_exchange(inductors, handle)
+        self.assertEqual(copy.stride(), (2040, 255, 1, 1))
+        self.assertTrue(torch.equal(copy, lse[None, :, :, None]))
+        with FakeTensorMode() as mode:
+            fake = torch.ops.dtensor_ring.after_exchange(mode.from_tensor(inductors),
+                                                         mode.from_tensor(handle))
+        self.assertEqual(fake.stride(), copy.stride())
+        # other strides are kept: a transposed input stays transposed
+        t = torch.randn(1, 4, 6, 8).transpose(1, 2)  # (192, 8, 48, 1)
+        self.assertEqual(torch.ops.dtensor_ring.after_exchange(t, handle).stride(), t.stride())
 
     def test_graph_without_ring_attention_is_untouched(self):
         def plain(q, k, v):

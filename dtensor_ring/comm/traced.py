@@ -173,18 +173,33 @@ def _(begun, after_kernel=None):
     return begun.new_empty(0)
 
 
+def _eager_strides(x: torch.Tensor) -> list[int]:
+    """``x``'s strides, except that a size-1 dim of stride 0 gets the stride eager's views give
+    it (``unsqueeze``: the next dim's stride times its size, 1 last). Inductor may lay a size-1
+    dim out with stride 0; no element is read along it, but cuDNN's backward refuses an LSE
+    ``[B, H, S, 1]`` whose last stride is not 1 ("The stride for the last dimension ... should
+    be 1 for input_names::Stats": the compiled windowed zigzag's reversed blocks on 4 H200s)."""
+    strides = list(x.stride())
+    for i in reversed(range(x.dim())):
+        if x.shape[i] == 1 and strides[i] == 0:
+            strides[i] = strides[i + 1] * x.shape[i + 1] if i + 1 < x.dim() else 1
+    return strides
+
+
 @torch.library.custom_op("dtensor_ring::after_exchange", mutates_args=())
 def after_exchange(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` (its strides kept: a kernel must see the strides eager hands it) that
-    exists only once ``handle``'s exchange is posted: the pass hands it to the blocks the schedule
-    computes after that post (a backward block's LSE, the smallest of its operands), so that no
-    reordering of inductor's moves them above it (``passes/ring_expand.py``, ``_order_kernels``)."""
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    """A copy of ``x`` (its strides kept, ``_eager_strides``: a kernel must see the strides eager
+    hands it) that exists only once ``handle``'s exchange is posted: the pass hands it to the
+    blocks the schedule computes after that post (a backward block's LSE, the smallest of its
+    operands), so that no reordering of inductor's moves them above it
+    (``passes/ring_expand.py``, ``_order_kernels``)."""
+    return torch.empty_strided(x.shape, _eager_strides(x), dtype=x.dtype,
+                               device=x.device).copy_(x)
 
 
 @after_exchange.register_fake
 def _(x, handle):
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    return torch.empty_strided(x.shape, _eager_strides(x), dtype=x.dtype, device=x.device)
 
 
 # Neither may be dropped from a graph whose results look unused: a rank that skipped an exchange
