@@ -1,9 +1,10 @@
 """Sliding windows on 4 gloo ranks: ``ring_attention`` for every schedule against float64 with the
 same window, on every rank (and the same bits as ``simulate_ring``); the bytes the windowed
-exchange moves per layer against the full ring (``dtensor_ring.comm.TRAFFIC``); ranks that pass
-different windows; the DTensor SDPA rule with a registered window (ring and replicated key/value);
-``ContextParallel(window=...)`` on the repository's Llama against the same model with a windowed
-mask on one process; and layers compiled one by one recompiling only for a new window.
+exchange moves per layer against the full ring (``dtensor_ring.comm.TRAFFIC``), and its
+``send_recv`` alone; ranks that pass different windows; the DTensor SDPA rule with a registered
+window (ring and replicated key/value); ``ContextParallel(window=...)`` on the repository's Llama
+against the same model with a windowed mask on one process; and layers compiled one by one
+recompiling only for a new window.
 
 Tolerances: ``tools/numerics.TOLERANCE`` (the single-device kernel's own error, SDPA with the window
 as a mask), stripe in fp32 as in test_windows.py; models: fp32 rel-RMS <= 1e-5 of float64, as in
@@ -21,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 import dtensor_ring as dr
 from dtensor_ring import dtensor as drt
 from dtensor_ring.comm import TRAFFIC
+from dtensor_ring.comm.process_group import ProcessGroupComm
 from dtensor_ring.layouts import LAYOUTS
 from dtensor_ring.layouts.windows import Window
 from dtensor_ring.models import Llama, LlamaConfig
@@ -127,6 +129,28 @@ def _traffic(mesh, failures):
                         "0 (no wrap-around), only the dK/dV of rank W-2's rows back")
 
 
+def _messages(mesh, failures):
+    """The windowed exchange's ``ProcessGroupComm.send_recv`` on its own: tensors of three
+    dtypes, one of them a strided slice, arrive as they were sent, on every rank; the last rank
+    sends nothing and rank 0 receives nothing; the bytes counted are the tensors' own."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+
+    def sent_by(r):  # rank r to rank r + 1: n rows of each
+        n = 0 if r == world - 1 else r + 1
+        g = torch.Generator().manual_seed(r)
+        strided = torch.randn(2, 3, n + 2, 5, generator=g).bfloat16()[:, :, 1:n + 1]
+        return [strided, torch.randn(n, 3, generator=g), torch.arange(7 * n) * (r + 1)]
+
+    mine, want = sent_by(rank), sent_by((rank - 1) % world)
+    TRAFFIC.clear()
+    got = ProcessGroupComm(mesh.get_group()).send_recv(1, mine, [t.shape for t in want]).wait()
+    if not all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+               for a, b in zip(got, want)):
+        failures.append(f"rank {rank}: send_recv received {got}, rank {rank - 1} sent {want}")
+    if TRAFFIC["bytes"] != sum(t.numel() * t.element_size() for t in mine):
+        failures.append(f"rank {rank}: send_recv counted {TRAFFIC['bytes']} bytes")
+
+
 def _different_windows(mesh, failures):
     rank = mesh.get_local_rank()
     q = torch.randn(1, 2, LOCAL, 16)
@@ -231,7 +255,7 @@ def _context_parallel(mesh, failures):
 
 def _ranks(mesh):
     failures = []
-    for part in (_attention, _documents, _traffic, _different_windows, _dtensor_rule,
+    for part in (_attention, _documents, _traffic, _messages, _different_windows, _dtensor_rule,
                  _context_parallel, _no_recompile_for_the_same_window):
         part(mesh, failures)
     assert not failures, "\n".join(failures)
