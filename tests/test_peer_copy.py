@@ -10,7 +10,8 @@ bits either way. A second, longer sequence grows the arenas. The check is shown 
 wrong answer: the result unsharded in the wrong layout.
 
 The collectives alone (all-gather, all-to-all, reduce-scatter), interleaved with ring shifts and
-growing, match NCCL's on random data (the reduce-scatter to fp32 rounding: NCCL sums in its own
+the sliding window's direct exchanges (``send_recv``: either side possibly empty), and growing,
+match NCCL's on random data (the reduce-scatter to fp32 rounding: NCCL sums in its own
 order), eagerly and replayed from a CUDA graph. A capture whose messages the arenas cannot hold
 takes NCCL for them, and replays right after the arenas grew.
 """
@@ -93,17 +94,34 @@ def test_copy_engine_shift_matches_nccl_and_float64():
 
 def _collectives(comm, rank, world, rows, seed):
     """(all-gather, all-to-all, reduce-scatter) of seeded random data through ``comm``, with a
-    ring shift between each (the shifts use the other arena)."""
+    ring shift between each (the shifts use the other arena), and the sliding window's direct
+    exchanges (a third arena): to rank + 1, K/V-like rows (bf16) and strided fp32 ones, rank r
+    sending rows // (r + 1) of each and the last rank none (rank 0 receives none); then every
+    row to rank - 1."""
     generator = torch.Generator(device="cuda").manual_seed(seed * 100 + rank)
     kv = torch.randn(rows, 2, 3, 128, generator=generator, device="cuda").bfloat16()
     rows_by_rank = torch.randn(world, rows, 5, generator=generator, device="cuda").bfloat16()
     grads = torch.randn(world, rows, 2, 3, 128, generator=generator, device="cuda")
+    window_kv = torch.randn(1, 2, rows, 128, generator=generator, device="cuda").bfloat16()
+    window_grads = torch.randn(1, 3, rows, 64, generator=generator, device="cuda")
+
+    def ahead(r):  # what rank r sends to rank r + 1: the first n rows of each, the last's none
+        n = 0 if r == world - 1 else rows // (r + 1)
+        return [window_kv[:, :, :n], window_grads[:, :, rows - n:]]
+
+    def shapes(r):
+        return [(t.shape[0], t.shape[1], 0 if r == world - 1 else rows // (r + 1), t.shape[3])
+                for t in (window_kv, window_grads)]
     shifted = comm.send_recv_next([kv])
+    forward = comm.send_recv(1, ahead(rank), shapes((rank - 1) % world), rows)
     gathered = comm.all_gather(kv)
     shifted_again = comm.send_recv_next([kv + 1])
     swapped = comm.all_to_all(rows_by_rank)
+    back = comm.send_recv(-1, [window_kv, window_grads],
+                          [window_kv.shape, window_grads.shape], rows)
     summed = comm.reduce_scatter(grads)
-    return [gathered.wait(), swapped.wait(), summed.wait(), *shifted.wait(), *shifted_again.wait()]
+    return [gathered.wait(), swapped.wait(), summed.wait(), *shifted.wait(), *shifted_again.wait(),
+            *forward.wait(), *back.wait()]
 
 
 def _check_collectives(got, want, where):
@@ -112,6 +130,8 @@ def _check_collectives(got, want, where):
     torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-5,
                                msg=lambda m: f"{where}: reduce_scatter: {m}")
     assert torch.equal(got[3], want[3]) and torch.equal(got[4], want[4]), f"{where}: shifts"
+    for a, b in zip(got[5:], want[5:], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{where}: send_recv differs from NCCL's"
 
 
 def _collective_ranks(rank, world):

@@ -132,23 +132,32 @@ def _traffic(mesh, failures):
 def _messages(mesh, failures):
     """The windowed exchange's ``ProcessGroupComm.send_recv`` on its own: tensors of three
     dtypes, one of them a strided slice, arrive as they were sent, on every rank; the last rank
-    sends nothing and rank 0 receives nothing; the bytes counted are the tensors' own."""
+    sends nothing and rank 0 receives nothing; the bytes counted are the tensors' own. A bound
+    below a message's rows is refused, on every rank, before anything is sent."""
     world, rank = mesh.size(), mesh.get_local_rank()
 
-    def sent_by(r):  # rank r to rank r + 1: n rows of each
+    def sent_by(r):  # rank r to rank r + 1: n rows (dim 2) of each
         n = 0 if r == world - 1 else r + 1
         g = torch.Generator().manual_seed(r)
         strided = torch.randn(2, 3, n + 2, 5, generator=g).bfloat16()[:, :, 1:n + 1]
-        return [strided, torch.randn(n, 3, generator=g), torch.arange(7 * n) * (r + 1)]
+        return [strided, torch.randn(1, 2, n, 3, generator=g),
+                torch.arange(7 * n).view(1, 1, n, 7) * (r + 1)]
 
     mine, want = sent_by(rank), sent_by((rank - 1) % world)
+    comm = ProcessGroupComm(mesh.get_group())
     TRAFFIC.clear()
-    got = ProcessGroupComm(mesh.get_group()).send_recv(1, mine, [t.shape for t in want]).wait()
+    got = comm.send_recv(1, mine, [t.shape for t in want], world - 1).wait()
     if not all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
                for a, b in zip(got, want)):
         failures.append(f"rank {rank}: send_recv received {got}, rank {rank - 1} sent {want}")
     if TRAFFIC["bytes"] != sum(t.numel() * t.element_size() for t in mine):
         failures.append(f"rank {rank}: send_recv counted {TRAFFIC['bytes']} bytes")
+    # rank W - 2 sends W - 1 rows, and rank W - 1 receives them: both refuse a bound of W - 2
+    # (the others, whose messages fit it, would then wait for them: they are not asked)
+    if rank >= world - 2:
+        expect_error(failures, f"rank {rank} most_rows too small", ValueError,
+                     lambda: comm.send_recv(1, mine, [t.shape for t in want], world - 2),
+                     f"has {world - 1} rows", f"most_rows={world - 2}")
 
 
 def _different_windows(mesh, failures):

@@ -33,12 +33,15 @@ class Communicator(Protocol):
         before where that overlaps the two sooner (``peer_copy.py``: the copy engines need no SM,
         so the first kernel goes to the GPU before the post's host time)."""
 
-    def send_recv(self, offset: int, send: list[torch.Tensor], recv_shapes: list) -> Pending:
+    def send_recv(self, offset: int, send: list[torch.Tensor], recv_shapes: list,
+                  most_rows: int) -> Pending:
         """Send ``send`` to rank + ``offset`` and receive tensors of ``recv_shapes`` (dtype and
         device of the ``send`` tensor at the same place) from rank - ``offset`` (mod W);
         ``wait()`` gives the list. A tensor of no elements is not sent or received. Every rank
         calls it at the same points (its traced form is a collective), with nothing to move
-        where it has nothing: the sliding-window exchange (``schedules/windowed.py``)."""
+        where it has nothing, and the same ``most_rows``: a bound on the rows (dim 2) of any
+        tensor any rank sends or receives in this call, which sizes the copy engines' buffers
+        (``peer_copy.py``). The sliding-window exchange (``schedules/windowed.py``)."""
 
     def all_gather(self, tensor: torch.Tensor) -> Pending:
         """Every rank's ``tensor`` stacked along a new leading dim of size W, in rank order."""
@@ -60,6 +63,19 @@ class _Done:
 
     def wait(self):
         return self.value
+
+
+def check_most_rows(send: list[torch.Tensor], recv_shapes: list, most_rows: int) -> None:
+    """``Communicator.send_recv``'s bound holds: no tensor sent or received has more rows.
+
+    Raises:
+        ValueError: naming the tensor and its rows.
+    """
+    for what, shapes in (("send", [t.shape for t in send]), ("recv_shapes", recv_shapes)):
+        for i, shape in enumerate(shapes):
+            if shape[2] > most_rows:
+                raise ValueError(f"send_recv: {what}[{i}] has {shape[2]} rows (dim 2 of "
+                                 f"{tuple(shape)}), more than most_rows={most_rows}")
 
 
 def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:

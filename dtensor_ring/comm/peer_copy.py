@@ -28,6 +28,13 @@ or two passes (all-gather and all-to-all: copied out; reduce-scatter: this rank'
 copied into its own slot and the W slots summed), and set each p's FREE_FROM[rank]. Every
 transfer is direct, none relayed, and the only SM work is that last pass.
 
+A sliding window's direct exchange (``send_recv``: to rank + d, from rank - d, either side
+possibly empty) goes through a third arena of W slots and its own pair of flags per peer: the
+sender waits MSG_FREE_FROM[dst], copies into its slot of dst's arena and sets dst's
+MSG_LANDED_FROM[rank]; the receiver waits MSG_LANDED_FROM[src], copies its slot out and sets src's
+MSG_FREE_FROM[rank]. Its slots are sized by the caller's bound on a message's rows, the same on
+every rank, so that every rank grows the arena at the same call.
+
 The flags are words in symmetric memory, set and awaited by the streams' front ends
 (``stream_flags.py``), not by kernels: a cuDNN kernel running on the compute stream holds every
 SM, and a barrier kernel would wait for it to drain before the shift could land. Each flag is
@@ -47,6 +54,7 @@ ranks the first time a group exchanges (a collective, so that first exchange mus
 a CUDA graph capture). ``DTENSOR_RING_PEER_COPY=0`` keeps NCCL. Elsewhere (gloo, several hosts)
 ``ProcessGroupComm`` uses NCCL or gloo as before.
 """
+import math
 import os
 import socket
 import warnings
@@ -62,9 +70,10 @@ from .stream_flags import SET, WAIT, Batch
 ENV = "DTENSOR_RING_PEER_COPY"
 SWITCH = {"0": "NCCL's kernels", "1": "the copy engines (the default)"}  # ENV's values
 _ALIGN = 256  # bytes: each tensor's place in the arena starts on such a boundary
-# A rank's flag words (int32; see the module docstring): the ring's LANDED and FREE, then the
-# collectives' LANDED_FROM + p and FREE_FROM + p for each rank p of the group
-LANDED, FREE, LANDED_FROM = 0, 1, 2  # FREE_FROM: LANDED_FROM + W
+# A rank's flag words (int32; see the module docstring): the ring's LANDED and FREE, then for
+# each rank p of the group the collectives' LANDED_FROM + p and FREE_FROM + p, and the direct
+# exchanges' MSG_LANDED_FROM + p and MSG_FREE_FROM + p
+LANDED, FREE, LANDED_FROM = 0, 1, 2  # FREE_FROM, MSG_LANDED_FROM, MSG_FREE_FROM: + W, 2 W, 3 W
 
 _RINGS: dict = {}  # process group name -> PeerCopyRing, or None where peer copies are not used
 
@@ -158,6 +167,10 @@ class _Arena:
         self._captured = self._captured or torch.cuda.is_current_stream_capturing()
         return views
 
+    def reserve(self, nbytes: int, device) -> None:
+        """At least ``nbytes`` (collective when it grows: every rank asks for the same size)."""
+        self._reserve(nbytes, device)
+
     def _reserve(self, nbytes: int, device) -> None:
         if self.holds(nbytes):
             return
@@ -190,18 +203,21 @@ class PeerCopyRing:
         # its own exchanges
         self.arena = _Arena(self.group_name, self.stream)
         self.slots = _Arena(self.group_name, self.stream)
+        self.messages = _Arena(self.group_name, self.stream)  # the direct exchanges' W slots
         self._flag_words()
 
     def _flag_words(self) -> None:
         """This rank's flag words, FREE and FREE_FROM set, the LANDED words clear, before any
         peer can see them; the batches of waits and sets the exchanges post (collective)."""
         symm_mem, world = _symmetric_memory(), self.world_size
-        free_from, words = LANDED_FROM + world, LANDED_FROM + 2 * world
+        free_from, msg_landed_from = LANDED_FROM + world, LANDED_FROM + 2 * world
+        msg_free_from, words = LANDED_FROM + 3 * world, LANDED_FROM + 4 * world
         _enable(symm_mem, self.group_name)
         self.flags = symm_mem.empty(words, dtype=torch.int32, device="cuda")
         self.flags.zero_()
         self.flags[FREE] = 1
-        self.flags[free_from:] = 1
+        self.flags[free_from:msg_landed_from] = 1
+        self.flags[msg_free_from:] = 1
         torch.cuda.synchronize()
         handle = symm_mem.rendezvous(self.flags, self.group_name)
         handle.barrier(channel=0)  # no rank sets a peer's flag before the peer has set its own
@@ -225,6 +241,14 @@ class PeerCopyRing:
             Batch([(SET, word(p, LANDED_FROM + r), 1) for p in peers]
                   + [(WAIT, a, 1) for a in mine_landed] + [(SET, a, 0) for a in mine_landed]),
             Batch([(SET, word(p, free_from + r), 1) for p in peers]))
+        # the direct exchanges, per peer p: (before copying to p, after it, before copying p's
+        # message out, after it)
+        self._message_steps = {p: (
+            Batch([(WAIT, word(r, msg_free_from + p), 1), (SET, word(r, msg_free_from + p), 0)]),
+            Batch([(SET, word(p, msg_landed_from + r), 1)]),
+            Batch([(WAIT, word(r, msg_landed_from + p), 1),
+                   (SET, word(r, msg_landed_from + p), 0)]),
+            Batch([(SET, word(p, msg_free_from + r), 1)])) for p in peers}
 
     def _post(self, sending, received, ready, steps) -> torch.cuda.Event:
         """Runs ``steps`` on the side stream after ``ready`` (an event on the compute stream), or
@@ -271,6 +295,52 @@ class PeerCopyRing:
                 r.copy_(place)
             emptied.post(self.stream)
         return lambda: _Landed(self._post(tensors, received, ready, steps), received, self.device)
+
+    def send_recv(self, dst: int, src: int, sending: list[torch.Tensor],
+                  received: list[torch.Tensor], slot_bytes: int) -> _Landed:
+        """``Communicator.send_recv`` (``dst``, ``src``: group ranks): ``sending`` (contiguous;
+        none: nothing goes to dst) into this rank's slot of dst's message arena, and ``received``
+        (fresh tensors; none: nothing comes) filled from src's message in this rank's. Every rank
+        calls it at the same points with the same ``slot_bytes``, at least any message's size:
+        the arena grows collectively."""
+        r, device = self.rank, self.device
+        self.messages.reserve(self.world_size * slot_bytes, device)
+        theirs = self._message_views(dst, r, sending) if sending else []
+        mine = self._message_views(r, src, received) if received else []
+
+        def steps():
+            if sending:
+                before, landed = self._message_steps[dst][:2]
+                before.post(self.stream)
+                for place, t in zip(theirs, sending):
+                    place.copy_(t)
+                landed.post(self.stream)
+            if received:
+                arrived, emptied = self._message_steps[src][2:]
+                arrived.post(self.stream)
+                for t, place in zip(received, mine):
+                    t.copy_(place)
+                emptied.post(self.stream)
+        return _Landed(self._post(sending, received, None, steps), received, device)
+
+    def _message_views(self, rank: int, slot: int, tensors) -> list:
+        """Views of ``tensors``' shapes in slot ``slot`` of ``rank``'s message arena. A slot is
+        a W-th of the arena whatever the call's ``slot_bytes``: messages of calls with other
+        bounds (K/V in bf16, dK/dV in fp32) may be in flight at once, each in its sender's
+        slot, and only the same sender's are kept apart by the flags."""
+        offsets, _ = _ring_bytes(tensors)
+        stride = self.messages.buffer.numel() // self.world_size  # a multiple of _ALIGN
+
+        def make(handle):
+            return [handle.get_buffer(rank, list(t.shape), t.dtype,
+                                      (slot * stride + offset) // t.element_size())
+                    for t, offset in zip(tensors, offsets)]
+        key = (rank, slot, tuple((tuple(t.shape), t.dtype) for t in tensors))
+        return self.messages.views(key, self.messages.buffer.numel(), tensors[0].device, make)
+
+    def holds_messages(self, slot_bytes: int) -> bool:
+        """Whether direct exchanges of ``slot_bytes`` fit the message arena as it is (``holds``)."""
+        return self.messages.holds(self.world_size * slot_bytes)
 
     def holds(self, tensors: list[torch.Tensor], collective: bool = False) -> bool:
         """Whether ``tensors`` (a ring shift's; ``collective``: one piece of a collective) fit
@@ -366,6 +436,13 @@ def _ring_bytes(tensors) -> tuple[list[int], int]:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     return offsets, total
+
+
+def message_slot_bytes(send: list[torch.Tensor], most_rows: int) -> int:
+    """The size of a direct exchange's slot: ``send``'s tensors ([B, H, rows, ...]) with
+    ``most_rows`` rows each, every one starting on an ``_ALIGN`` boundary."""
+    row_bytes = [math.prod(t.shape[:2]) * math.prod(t.shape[3:]) * t.element_size() for t in send]
+    return sum(-(-n * most_rows // _ALIGN) * _ALIGN for n in row_bytes)
 
 
 def _slot_bytes(piece: torch.Tensor, world: int) -> int:

@@ -6,8 +6,8 @@ import collections
 import torch
 import torch.distributed as dist
 
-from .base import _Done, sum_in_rank_order
-from .peer_copy import peer_copy_ring
+from .base import _Done, check_most_rows, sum_in_rank_order
+from .peer_copy import message_slot_bytes, peer_copy_ring
 
 # torch 2.13 renamed the tensor collectives; 2.11 and 2.12 only have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -79,7 +79,7 @@ class ProcessGroupComm:
         _count("send_recv_next", tensors)
         # Dense buffers (a model's k/v may be transposed views), for NCCL and the copy engines.
         tensors = [t.contiguous() for t in tensors]
-        ring = self._copy_engines(tensors)
+        ring = self._copy_engines(lambda ring: ring.holds(tensors))
         if ring is not None:  # no SM to make room for
             return ring.begin_send_recv_next(tensors)
         received = [torch.empty_like(t) for t in tensors]
@@ -90,16 +90,22 @@ class ProcessGroupComm:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
         return lambda: works
 
-    def send_recv(self, offset, send, recv_shapes):
+    def send_recv(self, offset, send, recv_shapes, most_rows):
+        check_most_rows(send, recv_shapes, most_rows)
         sending = [t.contiguous() for t in send if t.numel()]
         received = [t.new_empty(shape) for t, shape in zip(send, recv_shapes)]
         receiving = [r for r in received if r.numel()]
-        if not sending and not receiving:
-            return _Done(received)
-        to = dist.get_global_rank(self.group, (self.rank + offset) % self.world_size)
-        source = dist.get_global_rank(self.group, (self.rank - offset) % self.world_size)
         if sending:
             _count("send_recv", sending)
+        to, source = ((self.rank + offset) % self.world_size,
+                      (self.rank - offset) % self.world_size)
+        slot = message_slot_bytes(send, most_rows)
+        ring = self._copy_engines(lambda ring: ring.holds_messages(slot))
+        if ring is not None:  # every rank, also one with nothing to move: the arena may grow
+            return _Works([ring.send_recv(to, source, sending, receiving, slot)], received)
+        if not sending and not receiving:
+            return _Done(received)
+        to, source = (dist.get_global_rank(self.group, r) for r in (to, source))
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sending]
         ops += [dist.P2POp(dist.irecv, r, source, self.group) for r in receiving]
         works = dist.batch_isend_irecv(ops)
@@ -107,20 +113,20 @@ class ProcessGroupComm:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
         return _Works(works, received)
 
-    def _copy_engines(self, tensors, collective=False):
+    def _copy_engines(self, fits):
         """The group's ``PeerCopyRing`` (one host: the copy engines, ``peer_copy.py``), or None:
-        also inside a CUDA graph capture when ``tensors`` do not fit its arena, which cannot grow
-        there (``PeerCopyRing.holds``); NCCL then, on every rank alike (the arenas' sizes and
-        the messages' shapes are the same on every rank)."""
+        also inside a CUDA graph capture when the message does not fit its arena as it is
+        (``fits(ring)``, e.g. ``PeerCopyRing.holds``), which cannot grow there; NCCL then, on
+        every rank alike (the arenas' sizes and the messages' bounds are the same on every
+        rank)."""
         ring = peer_copy_ring(self.group) if self._nccl else None
-        if (ring is not None and torch.cuda.is_current_stream_capturing()
-                and not ring.holds(tensors, collective)):
+        if ring is not None and torch.cuda.is_current_stream_capturing() and not fits(ring):
             return None
         return ring
 
     def all_gather(self, tensor):
         _count("all_gather", [tensor])
-        ring = self._copy_engines([tensor], collective=True)
+        ring = self._copy_engines(lambda ring: ring.holds([tensor], collective=True))
         if ring is not None:
             return ring.all_gather(tensor.contiguous())
         # The collectives concatenate along dim 0; flatten the leading dims so any rank works.
@@ -136,7 +142,7 @@ class ProcessGroupComm:
             return _Done(tensor)
         _count("all_to_all", [tensor])
         tensor = tensor.contiguous()
-        ring = self._copy_engines([tensor[0]], collective=True)
+        ring = self._copy_engines(lambda ring: ring.holds([tensor[0]], collective=True))
         if ring is not None:
             return ring.all_to_all(tensor)
         received = torch.empty_like(tensor)
@@ -148,7 +154,7 @@ class ProcessGroupComm:
     def reduce_scatter(self, tensor):
         _count("reduce_scatter", [tensor])
         tensor = tensor.contiguous()
-        ring = self._copy_engines([tensor[0]], collective=True)
+        ring = self._copy_engines(lambda ring: ring.holds([tensor[0]], collective=True))
         if ring is not None:
             return ring.reduce_scatter(tensor)
         if self._nccl:

@@ -23,7 +23,7 @@ first.
 """
 import torch
 
-from .base import _Done, posted_then
+from .base import _Done, check_most_rows, posted_then
 
 
 class ReplayComm:
@@ -91,7 +91,8 @@ class ReplayComm:
             return posted_then(_Done(list(tensors)), overlapping)
         return posted_then(_Done(self._take([(t.shape, t) for t in tensors])), overlapping)
 
-    def send_recv(self, offset, send, recv_shapes):
+    def send_recv(self, offset, send, recv_shapes, most_rows):
+        check_most_rows(send, recv_shapes, most_rows)
         return _Done(self._take([(shape, t) for t, shape in zip(send, recv_shapes)]))
 
     def all_gather(self, tensor):

@@ -18,7 +18,7 @@ import threading
 import torch
 
 from ..hybrid.comm import HybridComm
-from .base import _Done, posted_then, sum_in_rank_order
+from .base import _Done, check_most_rows, posted_then, sum_in_rank_order
 
 _TIMEOUT_S = 600.0
 
@@ -196,9 +196,10 @@ class SimComm:
                                       [(self.rank - 1) % self.world_size], lambda parts: parts[0],
                                       collective=False), overlapping)
 
-    def send_recv(self, offset, send, recv_shapes):
+    def send_recv(self, offset, send, recv_shapes, most_rows):
         """``send`` to rank + ``offset`` (nothing if it is empty), ``recv_shapes`` from rank -
         ``offset`` (the sliding-window exchange, ``schedules/windowed.py``)."""
+        check_most_rows(send, recv_shapes, most_rows)
         messages = ({(self.rank + offset) % self.world_size: list(send)}
                     if any(t.numel() for t in send) else {})
         if any(torch.Size(shape).numel() for shape in recv_shapes):

@@ -7,7 +7,8 @@ of custom ops around the eager one,
 
 ``kind`` names the ``ProcessGroupComm`` operation run inside ("send_recv_next", "send_recv",
 "all_gather", "reduce_scatter", and the hybrid's "all_to_all"; "send_recv", the sliding-window
-exchange, also takes its offset and the received tensors' shapes, flattened in ``recv_sizes``), so
+exchange, also takes its offset, the received tensors' shapes, flattened in ``recv_sizes``, and
+its ``most_rows``), so
 a compiled ring exchanges exactly as an eager one does: the K/V (or dK/dV) of a ring step on the
 copy engines (``peer_copy.py``) or in one NCCL group, then the head start that lets NCCL onto
 the GPU before the step's attention kernel (``process_group.NCCL_HEAD_START_CYCLES``), and each
@@ -94,11 +95,11 @@ def _shapes(recv_sizes, tensors) -> list[list[int]]:
 @torch.library.custom_op("dtensor_ring::post_exchange", mutates_args=(), tags=_TAGS)
 def post_exchange(tensors: list[torch.Tensor], after: Optional[torch.Tensor], kind: str,
                   group_name: str, offset: int = 0,
-                  recv_sizes: Optional[list[int]] = None) -> torch.Tensor:
+                  recv_sizes: Optional[list[int]] = None, most_rows: int = 0) -> torch.Tensor:
     operation = getattr(comm_of(_resolve_process_group(group_name)), kind)
     handle = tensors[0].new_empty(0)
     if kind == "send_recv":
-        posted = operation(offset, tensors, _shapes(recv_sizes, tensors))
+        posted = operation(offset, tensors, _shapes(recv_sizes, tensors), most_rows)
     else:
         posted = operation(tensors) if kind == "send_recv_next" else operation(tensors[0])
     setattr(handle, _IN_FLIGHT, posted)
@@ -106,7 +107,7 @@ def post_exchange(tensors: list[torch.Tensor], after: Optional[torch.Tensor], ki
 
 
 @post_exchange.register_fake
-def _(tensors, after, kind, group_name, offset=0, recv_sizes=None):
+def _(tensors, after, kind, group_name, offset=0, recv_sizes=None, most_rows=0):
     return tensors[0].new_empty(0)
 
 
@@ -230,9 +231,10 @@ class TracedComm:
         self.group_name, self.rank, self.world_size = group_name, rank, world_size
         self.last = after
 
-    def _post(self, tensors, kind, offset=0, recv_sizes=None):
+    def _post(self, tensors, kind, offset=0, recv_sizes=None, most_rows=0):
         tensors = list(tensors)
-        self.last = post_exchange(tensors, self.last, kind, self.group_name, offset, recv_sizes)
+        self.last = post_exchange(tensors, self.last, kind, self.group_name, offset, recv_sizes,
+                                  most_rows)
         return _Posted(self.last, tensors, kind, self.world_size, recv_sizes)
 
     def send_recv_next(self, tensors, overlapping=None):
@@ -247,9 +249,9 @@ class TracedComm:
         self.last = post_begun_exchange(begun)
         return _Posted(self.last, tensors, "send_recv_next", self.world_size)
 
-    def send_recv(self, offset, send, recv_shapes):
+    def send_recv(self, offset, send, recv_shapes, most_rows):
         sizes = [int(n) for shape in recv_shapes for n in shape]
-        return self._post(send, "send_recv", offset, sizes)
+        return self._post(send, "send_recv", offset, sizes, most_rows)
 
     def all_gather(self, tensor):
         return self._post([tensor], "all_gather")

@@ -57,12 +57,14 @@ class Pair(NamedTuple):
 
 class Step(NamedTuple):
     """One offset of a rank's exchange: the rows it receives from rank - offset and its blocks on
-    them, and the rows of its own K/V that rank + offset receives."""
+    them, the rows of its own K/V that rank + offset receives, and the most rows any rank's
+    message at this offset has (the same on every rank: ``Communicator.send_recv``)."""
 
     offset: int
     recv_rows: slice
     blocks: tuple
     send_rows: slice
+    most_rows: int
 
 
 class RankPlan(NamedTuple):
@@ -129,8 +131,10 @@ def dense_plan(layout: Layout, rank: int, world: int, local_len: int, is_causal:
     steps = []
     for d in offsets(lambda r, s: table[r][s] is not None, world):
         got, sent = table[rank][(rank - d) % world], table[(rank + d) % world][rank]
+        messages = [table[r][(r - d) % world] for r in range(world)]
+        most = max(m.rows.stop - m.rows.start for m in messages if m is not None)
         steps.append(Step(d, got.rows if got else _NOTHING, got.blocks if got else (),
-                          sent.rows if sent else _NOTHING))
+                          sent.rows if sent else _NOTHING, most))
     return RankPlan(own, fresh, tuple(steps))
 
 
@@ -161,7 +165,7 @@ def document_plan(layout: Layout, rank: int, world: int, local_len: int, is_caus
         steps.append(Step(d, everything if got else _NOTHING,
                           tuple(with_positions(b, positions(rank), positions(src), window)
                                 for b in blocks(rank, src)) if got else (),
-                          everything if needed[dst][rank] else _NOTHING))
+                          everything if needed[dst][rank] else _NOTHING, local_len))
     return RankPlan(tuple(own), 1, tuple(steps))
 
 
@@ -210,7 +214,7 @@ class _Exchange:
         step = self.plan.steps[i]
         send = [x[:, :, step.send_rows] for x in (self.k, self.v)]
         return self.comm.send_recv(step.offset, send, [_shape(x, step.recv_rows)
-                                                        for x in (self.k, self.v)])
+                                                        for x in (self.k, self.v)], step.most_rows)
 
 
 def forward(layout, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs, window):
@@ -301,7 +305,7 @@ def backward(layout, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, 
         if returning is not None:  # waited on only now: its transfer overlapped this compute
             add_home(returning[1], returning[0].wait())
         returning = (comm.send_recv(-step.offset, [dk.result(), dv.result()],
-                                    [_shape(x, step.send_rows) for x in (k, v)]),
+                                    [_shape(x, step.send_rows) for x in (k, v)], step.most_rows),
                      step.send_rows)
     own(late)
     dq = dq.result_in(q.dtype)  # before dK/dV: its fp32 sum is freed first
