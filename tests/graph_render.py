@@ -7,8 +7,9 @@
   it in graph order where that is another (``after_post``) and the output of the last attention
   kernel between its post and it, if any (``after_kernel``); and every backward attention
   kernel after the last post before it in graph order, through what it reads (else inductor
-  may move it above that post). A shift begun before a step's kernels (``begin_exchange``) is
-  posted (``post_begun_exchange``) next on its group, after the last of those kernels.
+  may move it above that post). A shift or windowed exchange begun before a step's kernels
+  (``begin_exchange``) is posted (``post_begun_exchange``) next on its group, after the last
+  of those kernels.
 * ``render``: the whole graph, one line per exchange posted or begun (its kind, the shapes
   sent), begun exchange's second half ("posted"), wait (the shapes received) and attention
   kernel (query and key shapes, its mask), in graph order; each line ends with the number of
@@ -64,8 +65,8 @@ def _group(post, groups) -> str:
 
 
 def _kind(post) -> str:
-    """The exchange's kind (a begun exchange is a ring shift)."""
-    return "send_recv_next" if post.target is BEGIN else post.args[2]
+    """The exchange's kind (a begun exchange's: a ring shift unless it says otherwise)."""
+    return _arg(post, "kind", "send_recv_next") if post.target is BEGIN else post.args[2]
 
 
 def _label(post, groups) -> str:

@@ -19,7 +19,8 @@ import dtensor_ring as dr
 
 _POST = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.post_exchange\.default\(.*"
                    r"'(send_recv_next|send_recv|all_gather|reduce_scatter)', '[^']*'(, .*)?\)$")
-_BEGIN = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.begin_exchange\.default\(")
+_BEGIN = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.begin_exchange\.default\(.*?"
+                    r"(?:'(send_recv)'.*)?\)$")  # kind: send_recv_next unless named
 _BEGUN = re.compile(r"^(\w+) = torch\.ops\.dtensor_ring\.post_begun_exchange\.default\((\w+)")
 _POSTS = re.compile(r"(post|begin)_exchange\.default\(")  # one per exchange
 _WAIT = re.compile(r"torch\.ops\.dtensor_ring\.wait_exchange\.default\((\w+),")
@@ -39,11 +40,13 @@ def exchanges_without_overlap(code: str) -> list[str]:
             posted[post.group(1)] = kernels
             names[post.group(1)] = post.group(2)
         elif (begin := _BEGIN.match(line)) is not None:
-            posted[begin.group(1)], names[begin.group(1)] = kernels, "send_recv_next"
+            posted[begin.group(1)] = kernels
+            names[begin.group(1)] = begin.group(2) or "send_recv_next"
         elif (begun := _BEGUN.match(line)) is not None:
             if posted[begun.group(2)] == kernels:  # nothing launched between the halves
-                bad.append("send_recv_next posted before its kernel")
-            posted[begun.group(1)], names[begun.group(1)] = posted[begun.group(2)], "send_recv_next"
+                bad.append(f"{names[begun.group(2)]} posted before its kernel")
+            posted[begun.group(1)] = posted[begun.group(2)]
+            names[begun.group(1)] = names[begun.group(2)]
         elif (alias := _ALIAS.match(line)) is not None and alias.group(2) in posted:
             posted[alias.group(1)] = posted[alias.group(2)]  # bufN = bufM: the same handle
             names[alias.group(1)] = names[alias.group(2)]
@@ -143,3 +146,10 @@ buf3 = torch.ops.dtensor_ring.wait_exchange.default(buf2, [a, b], 'send_recv_nex
     lines = begun.strip().splitlines()
     assert exchanges_without_overlap("\n".join([lines[0], lines[2], lines[3], lines[1]])) == [
         "send_recv_next posted before its kernel", "send_recv_next"]
+    # a sliding window's exchange begun the same way (its kind named in the begin)
+    windowed = begun.replace("None, '0')", "None, '0', 'send_recv', 1, [1, 2, 3, 8, 1, 2, 3, 8], 3)")
+    windowed = windowed.replace("'send_recv_next', 4)", "'send_recv', 4, [1, 2, 3, 8, 1, 2, 3, 8])")
+    assert exchanges_without_overlap(windowed) == []
+    lines = windowed.strip().splitlines()
+    assert exchanges_without_overlap("\n".join([lines[0], lines[2], lines[3], lines[1]])) == [
+        "send_recv posted before its kernel", "send_recv"]

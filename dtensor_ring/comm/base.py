@@ -34,14 +34,15 @@ class Communicator(Protocol):
         so the first kernel goes to the GPU before the post's host time)."""
 
     def send_recv(self, offset: int, send: list[torch.Tensor], recv_shapes: list,
-                  most_rows: int) -> Pending:
+                  most_rows: int, overlapping: Optional[Callable[[], None]] = None) -> Pending:
         """Send ``send`` to rank + ``offset`` and receive tensors of ``recv_shapes`` (dtype and
         device of the ``send`` tensor at the same place) from rank - ``offset`` (mod W);
         ``wait()`` gives the list. A tensor of no elements is not sent or received. Every rank
         calls it at the same points (its traced form is a collective), with nothing to move
         where it has nothing, and the same ``most_rows``: a bound on the rows (dim 2) of any
         tensor any rank sends or receives in this call, which sizes the copy engines' buffers
-        (``peer_copy.py``). The sliding-window exchange (``schedules/windowed.py``)."""
+        (``peer_copy.py``). ``overlapping``: as ``send_recv_next``'s. The sliding-window
+        exchange (``schedules/windowed.py``)."""
 
     def all_gather(self, tensor: torch.Tensor) -> Pending:
         """Every rank's ``tensor`` stacked along a new leading dim of size W, in rank order."""

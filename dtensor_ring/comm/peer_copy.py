@@ -296,17 +296,20 @@ class PeerCopyRing:
             emptied.post(self.stream)
         return lambda: _Landed(self._post(tensors, received, ready, steps), received, self.device)
 
-    def send_recv(self, dst: int, src: int, sending: list[torch.Tensor],
-                  received: list[torch.Tensor], slot_bytes: int) -> _Landed:
-        """``Communicator.send_recv`` (``dst``, ``src``: group ranks): ``sending`` (contiguous;
-        none: nothing goes to dst) into this rank's slot of dst's message arena, and ``received``
-        (fresh tensors; none: nothing comes) filled from src's message in this rank's. Every rank
-        calls it at the same points with the same ``slot_bytes``, at least any message's size:
-        the arena grows collectively."""
+    def begin_send_recv(self, dst: int, src: int, sending: list[torch.Tensor],
+                        received: list[torch.Tensor], slot_bytes: int):
+        """``Communicator.send_recv`` in two halves, as ``begin_send_recv_next`` (``dst``,
+        ``src``: group ranks): ``sending`` (contiguous; none: nothing goes to dst) into this
+        rank's slot of dst's message arena, and ``received`` (fresh tensors; none: nothing
+        comes) filled from src's message in this rank's. Every rank calls it at the same points
+        with the same ``slot_bytes``, at least any message's size: the arena grows
+        collectively. The copies wait for what the compute stream had queued at this half."""
         r, device = self.rank, self.device
         self.messages.reserve(self.world_size * slot_bytes, device)
         theirs = self._message_views(dst, r, sending) if sending else []
         mine = self._message_views(r, src, received) if received else []
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
 
         def steps():
             if sending:
@@ -321,7 +324,7 @@ class PeerCopyRing:
                 for t, place in zip(received, mine):
                     t.copy_(place)
                 emptied.post(self.stream)
-        return _Landed(self._post(sending, received, None, steps), received, device)
+        return lambda: _Landed(self._post(sending, received, ready, steps), received, device)
 
     def _message_views(self, rank: int, slot: int, tensors) -> list:
         """Views of ``tensors``' shapes in slot ``slot`` of ``rank``'s message arena. A slot is

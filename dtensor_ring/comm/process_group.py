@@ -90,7 +90,15 @@ class ProcessGroupComm:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
         return lambda: works
 
-    def send_recv(self, offset, send, recv_shapes, most_rows):
+    def send_recv(self, offset, send, recv_shapes, most_rows, overlapping=None):
+        post = self.begin_send_recv(offset, send, recv_shapes, most_rows)
+        if overlapping is not None:
+            overlapping()
+        return post()
+
+    def begin_send_recv(self, offset, send, recv_shapes, most_rows):
+        """``send_recv`` in two halves, as ``begin_send_recv_next``: NCCL and gloo post here;
+        the copy engines mark the compute stream here and post in the function returned."""
         check_most_rows(send, recv_shapes, most_rows)
         sending = [t.contiguous() for t in send if t.numel()]
         received = [t.new_empty(shape) for t, shape in zip(send, recv_shapes)]
@@ -102,16 +110,18 @@ class ProcessGroupComm:
         slot = message_slot_bytes(send, most_rows)
         ring = self._copy_engines(lambda ring: ring.holds_messages(slot))
         if ring is not None:  # every rank, also one with nothing to move: the arena may grow
-            return _Works([ring.send_recv(to, source, sending, receiving, slot)], received)
+            post = ring.begin_send_recv(to, source, sending, receiving, slot)
+            return lambda: _Works([post()], received)
+        done = _Done(received)
         if not sending and not receiving:
-            return _Done(received)
+            return lambda: done
         to, source = (dist.get_global_rank(self.group, r) for r in (to, source))
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sending]
         ops += [dist.P2POp(dist.irecv, r, source, self.group) for r in receiving]
-        works = dist.batch_isend_irecv(ops)
+        works = _Works(dist.batch_isend_irecv(ops), received)
         if self._nccl:
             torch.cuda._sleep(NCCL_HEAD_START_CYCLES)  # see NCCL_HEAD_START_CYCLES
-        return _Works(works, received)
+        return lambda: works
 
     def _copy_engines(self, fits):
         """The group's ``PeerCopyRing`` (one host: the copy engines, ``peer_copy.py``), or None:

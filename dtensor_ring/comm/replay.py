@@ -91,9 +91,10 @@ class ReplayComm:
             return posted_then(_Done(list(tensors)), overlapping)
         return posted_then(_Done(self._take([(t.shape, t) for t in tensors])), overlapping)
 
-    def send_recv(self, offset, send, recv_shapes, most_rows):
+    def send_recv(self, offset, send, recv_shapes, most_rows, overlapping=None):
         check_most_rows(send, recv_shapes, most_rows)
-        return _Done(self._take([(shape, t) for t, shape in zip(send, recv_shapes)]))
+        return posted_then(_Done(self._take([(shape, t) for t, shape in zip(send, recv_shapes)])),
+                           overlapping)
 
     def all_gather(self, tensor):
         return _Done(self._take([((self.world_size, *tensor.shape), tensor)])[0])

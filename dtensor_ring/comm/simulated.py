@@ -196,17 +196,18 @@ class SimComm:
                                       [(self.rank - 1) % self.world_size], lambda parts: parts[0],
                                       collective=False), overlapping)
 
-    def send_recv(self, offset, send, recv_shapes, most_rows):
+    def send_recv(self, offset, send, recv_shapes, most_rows, overlapping=None):
         """``send`` to rank + ``offset`` (nothing if it is empty), ``recv_shapes`` from rank -
         ``offset`` (the sliding-window exchange, ``schedules/windowed.py``)."""
         check_most_rows(send, recv_shapes, most_rows)
         messages = ({(self.rank + offset) % self.world_size: list(send)}
                     if any(t.numel() for t in send) else {})
         if any(torch.Size(shape).numel() for shape in recv_shapes):
-            return self._post(messages, [(self.rank - offset) % self.world_size],
-                              lambda parts: parts[0], collective=False)
+            return posted_then(self._post(messages, [(self.rank - offset) % self.world_size],
+                                          lambda parts: parts[0], collective=False), overlapping)
         empty = [t.new_empty(shape) for t, shape in zip(send, recv_shapes)]
-        return self._post(messages, [], lambda parts: empty, collective=False)
+        return posted_then(self._post(messages, [], lambda parts: empty, collective=False),
+                           overlapping)
 
     def all_gather(self, tensor):
         return self._post({dst: tensor for dst in range(self.world_size)},

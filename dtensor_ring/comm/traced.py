@@ -14,11 +14,11 @@ copy engines (``peer_copy.py``) or in one NCCL group, then the head start that l
 the GPU before the step's attention kernel (``process_group.NCCL_HEAD_START_CYCLES``), and each
 exchange where the schedule posts it.
 
-A shift whose step launches compute before it waits on anything (a call's first: the rank's own
-blocks) is posted in two halves around that compute, as eager posts it
-(``ProcessGroupComm.begin_send_recv_next``):
+A shift (or a sliding window's exchange) whose step launches compute before it waits on anything
+(a call's first: the rank's own blocks) is posted in two halves around that compute, as eager
+posts it (``ProcessGroupComm.begin_send_recv_next`` / ``begin_send_recv``):
 
-    begun    = dtensor_ring::begin_exchange(tensors, after, group_name)  # NCCL, gloo: posted
+    begun    = dtensor_ring::begin_exchange(tensors, after, group_name, kind, ...)  # NCCL: posted
     ... the step's kernels ...
     handle   = dtensor_ring::post_begun_exchange(begun, after_kernel)    # copy engines: posted
 
@@ -139,18 +139,24 @@ def _(handle, tensors, kind, world_size, recv_sizes=None, after_post=None, after
 
 @torch.library.custom_op("dtensor_ring::begin_exchange", mutates_args=(), tags=_TAGS)
 def begin_exchange(tensors: list[torch.Tensor], after: Optional[torch.Tensor],
-                   group_name: str) -> torch.Tensor:
-    """The first half of a ring shift whose step launches compute in between
-    (``ProcessGroupComm.begin_send_recv_next``): NCCL and gloo post here; the copy engines mark
-    the compute stream here and post in ``post_begun_exchange``."""
+                   group_name: str, kind: str = "send_recv_next", offset: int = 0,
+                   recv_sizes: Optional[list[int]] = None, most_rows: int = 0) -> torch.Tensor:
+    """The first half of a ring shift or sliding-window exchange (``kind``, with
+    ``post_exchange``'s arguments) whose step launches compute in between
+    (``ProcessGroupComm.begin_send_recv_next`` / ``begin_send_recv``): NCCL and gloo post here;
+    the copy engines mark the compute stream here and post in ``post_begun_exchange``."""
+    comm = comm_of(_resolve_process_group(group_name))
     handle = tensors[0].new_empty(0)
-    setattr(handle, _BEGUN, comm_of(_resolve_process_group(group_name)).begin_send_recv_next(
-        tensors))
+    if kind == "send_recv":
+        begun = comm.begin_send_recv(offset, tensors, _shapes(recv_sizes, tensors), most_rows)
+    else:
+        begun = comm.begin_send_recv_next(tensors)
+    setattr(handle, _BEGUN, begun)
     return handle
 
 
 @begin_exchange.register_fake
-def _(tensors, after, group_name):
+def _(tensors, after, group_name, kind="send_recv_next", offset=0, recv_sizes=None, most_rows=0):
     return tensors[0].new_empty(0)
 
 
@@ -249,9 +255,16 @@ class TracedComm:
         self.last = post_begun_exchange(begun)
         return _Posted(self.last, tensors, "send_recv_next", self.world_size)
 
-    def send_recv(self, offset, send, recv_shapes, most_rows):
+    def send_recv(self, offset, send, recv_shapes, most_rows, overlapping=None):
         sizes = [int(n) for shape in recv_shapes for n in shape]
-        return self._post(send, "send_recv", offset, sizes, most_rows)
+        if overlapping is None:
+            return self._post(send, "send_recv", offset, sizes, most_rows)
+        send = list(send)  # begun, the compute launched, then posted, as send_recv_next's
+        begun = begin_exchange(send, self.last, self.group_name, "send_recv", offset, sizes,
+                               most_rows)
+        overlapping()
+        self.last = post_begun_exchange(begun)
+        return _Posted(self.last, send, "send_recv", self.world_size, sizes)
 
     def all_gather(self, tensor):
         return self._post([tensor], "all_gather")

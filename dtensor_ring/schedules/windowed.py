@@ -10,7 +10,8 @@ Exchange: for each *offset* d such that some rank needs rank - d's K/V, every ra
 rank + d needs of its own K/V straight to it and receives from rank - d the rows it needs
 (``Communicator.send_recv``; a rank with nothing that way moves nothing). Offsets no rank needs are
 skipped: no message at all. Offsets run nearest first, the next posted before the current step's
-blocks are computed. W = 4, 8 tokens per rank, causal, window=(5, 0):
+blocks are computed, the first around the own blocks (``send_recv``'s ``overlapping``: on the copy
+engines they are launched first, and the GPU computes while the host posts). W = 4, 8 tokens per rank, causal, window=(5, 0):
 
     contiguous   rank r needs the last 5 rows of rank r-1: one offset (d = 1), 5 of 8 rows;
                  rank 0 receives nothing, rank 3 sends nothing (no wrap-around message)
@@ -208,29 +209,38 @@ class _Exchange:
     def __init__(self, comm, plan: RankPlan, k, v):
         self.comm, self.plan, self.k, self.v = comm, plan, k, v
 
-    def post(self, i):
+    def post(self, i, overlapping=None):
+        """Step ``i``'s message (None past the last step); ``overlapping``: compute that needs
+        nothing from it, launched around the post (``Communicator.send_recv``)."""
         if i >= len(self.plan.steps):
+            if overlapping is not None:
+                overlapping()
             return None
         step = self.plan.steps[i]
         send = [x[:, :, step.send_rows] for x in (self.k, self.v)]
         return self.comm.send_recv(step.offset, send, [_shape(x, step.recv_rows)
-                                                        for x in (self.k, self.v)], step.most_rows)
+                                                        for x in (self.k, self.v)], step.most_rows,
+                                   overlapping)
 
 
 def forward(layout, comm: Communicator, q, k, v, *, is_causal, scale, kernel, docs, window):
     plan = plan_for(layout, comm, q.shape[2], is_causal, window, kernel, docs)
-    exchange = _Exchange(comm, plan, k, v)
-    pending = exchange.post(0)
     if kernel.exact:  # its kernel writes or merges into the fp32 accumulator itself
         out, lse = fp32_empty(q), fp32_empty(q, q.shape[:3])
-        for i, block in enumerate(plan.own):
-            attend_(kernel, q, k, v, block, scale, out, lse, fresh=i < plan.fresh)
+
+        def own():
+            for i, block in enumerate(plan.own):
+                attend_(kernel, q, k, v, block, scale, out, lse, fresh=i < plan.fresh)
     else:
         merged = ForwardMerge(q, 1 + len(plan.own) - plan.fresh
                               + sum(len(s.blocks) for s in plan.steps))
-        merged.add(*_first(kernel, q, k, v, plan, scale), slice(0, q.shape[2]))
-        for block in plan.own[plan.fresh:]:
-            merged.add(*forward_block(kernel, q, k, v, block, scale), block.q)
+
+        def own():
+            merged.add(*_first(kernel, q, k, v, plan, scale), slice(0, q.shape[2]))
+            for block in plan.own[plan.fresh:]:
+                merged.add(*forward_block(kernel, q, k, v, block, scale), block.q)
+    exchange = _Exchange(comm, plan, k, v)
+    pending = exchange.post(0, own)  # the own blocks need no message: they overlap the first
     for i, step in enumerate(plan.steps):
         kv = pending.wait()
         pending = exchange.post(i + 1)
@@ -293,8 +303,7 @@ def backward(layout, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, 
 
     early, late = _own_parts(plan, kernel.masks, docs)
     exchange = _Exchange(comm, plan, k, v)
-    pending_kv = exchange.post(0)
-    own(early)
+    pending_kv = exchange.post(0, lambda: own(early))
     returning = None  # (pending dK/dV of the last step, the rows of this rank's K/V they are)
     for i, step in enumerate(plan.steps):
         kv = pending_kv.wait()
