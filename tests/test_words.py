@@ -1,9 +1,9 @@
-"""schedules/words.py: strided copies and fills in machine words give torch's results, bit for
+"""kernels/words.py: strided copies, fills and row reversals in machine words give torch's results, bit for
 bit."""
 import pytest
 import torch
 
-from dtensor_ring.schedules.words import as_words, copied, stacked, zero_
+from dtensor_ring.kernels.words import as_words, copied, flipped_rows, stacked, zero_
 
 
 def _rows(*shape, dtype, seed=0):
@@ -51,3 +51,30 @@ def test_zero_fills_exactly_the_view(dtype):
     transposed = _rows(2, 8, 3, dtype=dtype).transpose(1, 2)  # last dim strided: torch's fill
     zero_(transposed[:, 1:])
     assert torch.count_nonzero(transposed[:, 1:]) == 0 and torch.count_nonzero(transposed[:, 0])
+
+
+@pytest.mark.parametrize("dtype,head_dim,word", [
+    (torch.bfloat16, 128, torch.complex128),  # 256-byte rows: 16-byte words
+    (torch.float32, 6, torch.int64),          # 24-byte rows: 8-byte words
+    (torch.float16, 3, torch.int16),          # 6-byte rows: 2-byte words
+])
+def test_flipped_rows_is_flip(dtype, head_dim, word):
+    # a reversed edge block's operands: a row slice of q [B, H, S, D], the same in a model's
+    # [B, S, H, D] memory (transposed), and the kernel's results
+    q = _rows(2, 4, 9, head_dim, dtype=dtype)[:, :, 2:7]
+    model = _rows(2, 9, 4, head_dim, dtype=dtype).transpose(1, 2)[:, :, 2:7]
+    assert as_words(q)[0].dtype == word
+    for x in (q, model, q.contiguous()):
+        got = flipped_rows(x)
+        assert got.dtype == x.dtype and torch.equal(got, x.flip(2))
+        assert not torch.equal(got, x.flip(1))  # the check can fail
+
+
+def test_flipped_rows_without_words_is_flip():
+    # an expanded gradient (last stride 0), an LSE [B, H, S], a non-contiguous last dim
+    dout = torch.ones(1, 1, 1, 1).expand(2, 4, 5, 8)
+    lse = _rows(2, 4, 5, dtype=torch.float32)
+    strided = _rows(2, 4, 5, 16, dtype=torch.float32)[..., ::2]
+    for x in (dout, lse, strided):
+        assert torch.equal(flipped_rows(x), x.flip(2))
+    assert not torch.equal(flipped_rows(lse), lse)

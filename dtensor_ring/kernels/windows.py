@@ -19,6 +19,7 @@ import torch
 
 from ..layouts.windows import Band, Positions
 from .base import CAUSAL
+from .words import flipped_rows
 
 BAND, POSITIONS = "band", "positions"
 _aten = torch.ops.aten
@@ -80,8 +81,9 @@ def reversed_causal(window: Band, seq_q: int, seq_k: int) -> bool:
 
 
 def reverse_rows(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, ...] with its rows (dim 2) in reverse order (a copy)."""
-    return x.flip(2)
+    """[B, H, S, ...] with its rows (dim 2) in reverse order (a copy, in machine words where it
+    can: ``words.flipped_rows``)."""
+    return flipped_rows(x)
 
 
 def reversed_forward(forward, q, k, v, scale: float):

@@ -5,7 +5,7 @@ from ..kernels import BlockKernel
 from ..kernels.base import Into
 from ..layouts import Block
 from ..merge import MAX_BLOCKS, MAX_PARTS, accumulate_, merge_, merge_many_, sum_many_
-from .words import zero_
+from ..kernels.words import zero_
 
 
 def attend_(kernel: BlockKernel, q, k, v, block: Block, scale: float, out, lse, fresh: bool):

@@ -65,7 +65,7 @@ from ..layouts.windows import Run, band_block, with_positions
 from ..merge import MAX_PARTS, accumulate_, merge_many_, sum_many_
 from .base import (HeldSums, RowSums, attend_, backward_operands, block_backward, fp32_empty,
                    merge_target, result_out)
-from .words import as_words, copied, stacked, zero_
+from ..kernels.words import as_words, copied, stacked, zero_
 
 
 def head_groups(kv_heads: int, world_size: int) -> list[slice]:
