@@ -147,8 +147,9 @@ buf3 = torch.ops.dtensor_ring.wait_exchange.default(buf2, [a, b], 'send_recv_nex
     assert exchanges_without_overlap("\n".join([lines[0], lines[2], lines[3], lines[1]])) == [
         "send_recv_next posted before its kernel", "send_recv_next"]
     # a sliding window's exchange begun the same way (its kind named in the begin)
-    windowed = begun.replace("None, '0')", "None, '0', 'send_recv', 1, [1, 2, 3, 8, 1, 2, 3, 8], 3)")
-    windowed = windowed.replace("'send_recv_next', 4)", "'send_recv', 4, [1, 2, 3, 8, 1, 2, 3, 8])")
+    sizes = "[1, 2, 3, 8, 1, 2, 3, 8]"
+    windowed = begun.replace("None, '0')", f"None, '0', 'send_recv', 1, {sizes}, 3)")
+    windowed = windowed.replace("'send_recv_next', 4)", f"'send_recv', 4, {sizes})")
     assert exchanges_without_overlap(windowed) == []
     lines = windowed.strip().splitlines()
     assert exchanges_without_overlap("\n".join([lines[0], lines[2], lines[3], lines[1]])) == [

@@ -182,8 +182,9 @@ wait(2x1x1x16x8)                           +21 ops""")
     # rank 1: one offset of the ring's three, 3 rows of K and of V each way; offsets 2 and 3
     # reach no query and are skipped, with no collective at all. The backward returns the dK/dV
     # of those rows to their owner (offset -1). The first exchange is begun before the own early
-    # block and posted after it ("posted"), as eager runs it. zigzag's rank 1 (count table) exchanges with both
-    # neighbours: chunk 1 needs rank 0's chunk 0, chunk 6 rank 2's chunk 5 (offsets 1 and 3).
+    # block and posted after it ("posted"), as eager runs it. zigzag's rank 1 (count table)
+    # exchanges with both neighbours: chunk 1 needs rank 0's chunk 0, chunk 6 rank 2's chunk 5
+    # (offsets 1 and 3).
     def test_window_backward(self):
         self.assertExpectedInline(render(*expanded("ring", True, True, window=(3, -1))), """\
 +2 ops

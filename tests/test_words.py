@@ -1,5 +1,5 @@
-"""kernels/words.py: strided copies, fills and row reversals in machine words give torch's results, bit for
-bit."""
+"""kernels/words.py: strided copies, fills and row reversals in machine words give torch's
+results, bit for bit."""
 import pytest
 import torch
 

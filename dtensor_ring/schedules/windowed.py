@@ -11,7 +11,8 @@ rank + d needs of its own K/V straight to it and receives from rank - d the rows
 (``Communicator.send_recv``; a rank with nothing that way moves nothing). Offsets no rank needs are
 skipped: no message at all. Offsets run nearest first, the next posted before the current step's
 blocks are computed, the first around the own blocks (``send_recv``'s ``overlapping``: on the copy
-engines they are launched first, and the GPU computes while the host posts). W = 4, 8 tokens per rank, causal, window=(5, 0):
+engines they are launched first, and the GPU computes while the host posts). W = 4, 8 tokens per
+rank, causal, window=(5, 0):
 
     contiguous   rank r needs the last 5 rows of rank r-1: one offset (d = 1), 5 of 8 rows;
                  rank 0 receives nothing, rank 3 sends nothing (no wrap-around message)
