@@ -78,3 +78,15 @@ def test_flipped_rows_without_words_is_flip():
     for x in (dout, lse, strided):
         assert torch.equal(flipped_rows(x), x.flip(2))
     assert not torch.equal(flipped_rows(lse), lse)
+
+
+def test_flipped_rows_traced_is_flip():
+    # the compile pass traces the schedules with make_fx over functionalize (fake tensors in
+    # plain-tensor wrappers): the traced graph keeps flip in the tensor's own dtype, for
+    # inductor to write (it generates no code for complex dtypes)
+    from torch.fx.experimental.proxy_tensor import make_fx
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = mode.from_tensor(_rows(1, 2, 8, 128, dtype=torch.bfloat16))
+        graph = make_fx(torch.func.functionalize(flipped_rows))(fake)
+    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.aten.flip.default], targets

@@ -7,8 +7,6 @@ bytes (16 bytes for D = 128 in bf16: 8x fewer elements), the same copies ran fas
 cat + flip + reshape they replaced in llama3's ``to_natural`` (measured: docs/design.md,
 "Measurements behind design choices").
 """
-import math
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -65,15 +63,11 @@ def flipped_rows(x: torch.Tensor) -> torch.Tensor:
     its last dim is contiguous. PyTorch's flip computes a source index per element; a row of D =
     128 bf16 moves as 8 words of 16 bytes (the reversed edge blocks of a sliding window flip
     q, k, v, dO, O and their results: ``kernels/windows.reverse_rows``). Traced (the compile
-    pass), for other tensor subclasses, and where the last dim is not contiguous (an expanded
-    gradient) or there is none (an LSE [B, H, S]), ``flip`` as it is: inductor writes the
-    traced copy itself."""
-    # Traced, x is a fake or functional tensor: a subclass (a cheaper test than is_fake's).
-    if type(x) is not torch.Tensor or x.dim() != 4 or x.stride(-1) != 1:
+    pass), and where the last dim is not contiguous (an expanded gradient) or there is none (an
+    LSE [B, H, S]), ``flip`` as it is: inductor writes the traced copy itself. (``is_fake``, not
+    a test of the tensor's type: the pass traces through ``torch.func.functionalize``, whose
+    wrappers are plain tensors.)"""
+    if x.dim() != 4 or x.stride(-1) != 1 or is_fake(x):
         return x.flip(2)
-    # as_words for one tensor, in fewer host steps: a call flips up to ten tensors
-    size = x.element_size()
-    common = math.gcd(x.shape[-1] * size, x.storage_offset() * size,
-                      *(n * size for n in x.stride()[:-1]))
-    word = next(dtype for bytes_, dtype in _WORDS if common % bytes_ == 0)
-    return x.view(word).flip(2).view(x.dtype)
+    (words,) = as_words(x)
+    return words.flip(2).view(x.dtype)
