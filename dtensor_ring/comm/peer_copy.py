@@ -162,16 +162,13 @@ class _Arena:
         first time a key comes: every rank asks for the same size)."""
         views = self._views.get(key)
         if views is None:
-            self._reserve(nbytes, device)  # a new buffer drops the views
+            self.reserve(nbytes, device)  # a new buffer drops the views
             views = self._views[key] = make(self.handle)
         self._captured = self._captured or torch.cuda.is_current_stream_capturing()
         return views
 
     def reserve(self, nbytes: int, device) -> None:
         """At least ``nbytes`` (collective when it grows: every rank asks for the same size)."""
-        self._reserve(nbytes, device)
-
-    def _reserve(self, nbytes: int, device) -> None:
         if self.holds(nbytes):
             return
         # Idle here means idle everywhere that touches this buffer: the last exchange here

@@ -203,11 +203,12 @@ class SimComm:
         messages = ({(self.rank + offset) % self.world_size: list(send)}
                     if any(t.numel() for t in send) else {})
         if any(torch.Size(shape).numel() for shape in recv_shapes):
-            return posted_then(self._post(messages, [(self.rank - offset) % self.world_size],
-                                          lambda parts: parts[0], collective=False), overlapping)
-        empty = [t.new_empty(shape) for t, shape in zip(send, recv_shapes)]
-        return posted_then(self._post(messages, [], lambda parts: empty, collective=False),
-                           overlapping)
+            pending = self._post(messages, [(self.rank - offset) % self.world_size],
+                                 lambda parts: parts[0], collective=False)
+        else:
+            empty = [t.new_empty(shape) for t, shape in zip(send, recv_shapes)]
+            pending = self._post(messages, [], lambda parts: empty, collective=False)
+        return posted_then(pending, overlapping)
 
     def all_gather(self, tensor):
         return self._post({dst: tensor for dst in range(self.world_size)},

@@ -8,11 +8,10 @@ of custom ops around the eager one,
 ``kind`` names the ``ProcessGroupComm`` operation run inside ("send_recv_next", "send_recv",
 "all_gather", "reduce_scatter", and the hybrid's "all_to_all"; "send_recv", the sliding-window
 exchange, also takes its offset, the received tensors' shapes, flattened in ``recv_sizes``, and
-its ``most_rows``), so
-a compiled ring exchanges exactly as an eager one does: the K/V (or dK/dV) of a ring step on the
-copy engines (``peer_copy.py``) or in one NCCL group, then the head start that lets NCCL onto
-the GPU before the step's attention kernel (``process_group.NCCL_HEAD_START_CYCLES``), and each
-exchange where the schedule posts it.
+its ``most_rows``), so a compiled ring exchanges exactly as an eager one does: the K/V (or dK/dV)
+of a ring step on the copy engines (``peer_copy.py``) or in one NCCL group, then the head start
+that lets NCCL onto the GPU before the step's attention kernel
+(``process_group.NCCL_HEAD_START_CYCLES``), and each exchange where the schedule posts it.
 
 A shift (or a sliding window's exchange) whose step launches compute before it waits on anything
 (a call's first: the rank's own blocks) is posted in two halves around that compute, as eager
@@ -237,34 +236,28 @@ class TracedComm:
         self.group_name, self.rank, self.world_size = group_name, rank, world_size
         self.last = after
 
-    def _post(self, tensors, kind, offset=0, recv_sizes=None, most_rows=0):
+    def _post(self, tensors, kind, offset=0, recv_sizes=None, most_rows=0, overlapping=None):
+        """The exchange posted, or, with ``overlapping``, begun, the compute launched, then
+        posted: the order eager runs them in."""
         tensors = list(tensors)
-        self.last = post_exchange(tensors, self.last, kind, self.group_name, offset, recv_sizes,
-                                  most_rows)
+        if overlapping is None:
+            self.last = post_exchange(tensors, self.last, kind, self.group_name, offset,
+                                      recv_sizes, most_rows)
+        else:
+            begun = begin_exchange(tensors, self.last, self.group_name, kind, offset, recv_sizes,
+                                   most_rows)
+            overlapping()
+            self.last = post_begun_exchange(begun)
         return _Posted(self.last, tensors, kind, self.world_size, recv_sizes)
 
     def send_recv_next(self, tensors, overlapping=None):
         if self.world_size == 1:
             return posted_then(_Done(list(tensors)), overlapping)
-        if overlapping is None:
-            return self._post(tensors, "send_recv_next")
-        # begun, the compute launched, then posted: the order eager runs them in
-        tensors = list(tensors)
-        begun = begin_exchange(tensors, self.last, self.group_name)
-        overlapping()
-        self.last = post_begun_exchange(begun)
-        return _Posted(self.last, tensors, "send_recv_next", self.world_size)
+        return self._post(tensors, "send_recv_next", overlapping=overlapping)
 
     def send_recv(self, offset, send, recv_shapes, most_rows, overlapping=None):
         sizes = [int(n) for shape in recv_shapes for n in shape]
-        if overlapping is None:
-            return self._post(send, "send_recv", offset, sizes, most_rows)
-        send = list(send)  # begun, the compute launched, then posted, as send_recv_next's
-        begun = begin_exchange(send, self.last, self.group_name, "send_recv", offset, sizes,
-                               most_rows)
-        overlapping()
-        self.last = post_begun_exchange(begun)
-        return _Posted(self.last, send, "send_recv", self.world_size, sizes)
+        return self._post(send, "send_recv", offset, sizes, most_rows, overlapping)
 
     def all_gather(self, tensor):
         return self._post([tensor], "all_gather")
