@@ -32,6 +32,12 @@ def run_times(fn, warmup, iters, device="cuda"):
     includes any wait of the GPU for the host; its host time is the wall time until ``fn()``
     returns, before that synchronization: how long the host takes to enqueue the run. On CPU
     both are the host clock's time of the run.
+
+    With a process group, every rank starts each run together (``aligned``): a run that
+    exchanges with other ranks is then timed from a common start. Without it, a rank whose GPU
+    finished the previous run first starts the next one first and waits for its peers' first
+    messages, so its time would hold the skew the previous run left (up to ~1 ms on 4 H200s for
+    a windowed ring call of 2 ms: docs/results.md).
     """
     for _ in range(warmup):
         fn()
@@ -40,6 +46,7 @@ def run_times(fn, warmup, iters, device="cuda"):
         torch.cuda.synchronize()
     times, host = [], []
     for _ in range(iters):
+        aligned()
         if not cuda:
             start = time.perf_counter()
             fn()
@@ -55,6 +62,15 @@ def run_times(fn, warmup, iters, device="cuda"):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return times, host
+
+
+def aligned():
+    """Every rank of the default process group here at once, with its GPU idle (a barrier, then a
+    synchronization); nothing without a process group."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 STEADY_GROUP = 5  # runs back to back per steady-state timing (steady_median_ms)
@@ -79,7 +95,7 @@ def steady_times(fn, groups, per_group, lead_ms):
     cycles = _sleep_cycles(lead_ms)
     times = []
     for _ in range(groups):
-        torch.cuda.synchronize()
+        aligned()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(cycles)
         start.record()
