@@ -14,14 +14,14 @@ Before (forward, zigzag, W = 4, rank 0):
 
 After (abridged; ``tests/test_ring_expand.py`` pins rank 1's full sequence):
 
-    kv_1 = dtensor_ring.begin_exchange([k, v], None, '0')                      # K/V for step 1
+    kv_1 = dtensor_ring.begin_exchange([k, v], None, '0', [])                  # K/V for step 1
     attn = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)  # step 0 block
-    kv_1p = dtensor_ring.post_begun_exchange(kv_1, attn[0])   # (NCCL posted at the begin)
+    kv_1p = dtensor_ring.post_begun_exchange(kv_1, [attn[0]])  # (NCCL posted at the begin)
     ... fp32 accumulator init (a copy of the block) ...
-    k_1, v_1 = dtensor_ring.wait_exchange(kv_1p, [k, v], 'send_recv_next', 4)
-    kv_2 = dtensor_ring.post_exchange([k_1, v_1], kv_1p, 'send_recv_next', '0')  # step 2's
+    k_1, v_1 = dtensor_ring.wait_exchange(kv_1p, [k, v], 'send_recv_next', 4, [])
+    kv_2 = dtensor_ring.post_exchange([k_1, v_1], kv_1p, 'send_recv_next', '0', [])  # step 2's
     attn_1 = ...(q[S/2:], k_1, v_1, 0.0, False)                                  # step 1 block
-    ... fp32 merge ... (and so on for steps 2 and 3)
+    ... fp32 merge ... (and so on for steps 2 and 3; step 2's wait takes [attn_1])
 
 A call with a sliding window (two ints of the node: a constant, so layers with the same window
 share a graph) expands into the windowed exchange (``schedules/windowed.py``): per offset within
@@ -68,7 +68,7 @@ from dtensor_ring.dtensor.registry import sequence_schedules_key
 from dtensor_ring.hybrid import ops as _hybrid_ops  # noqa: F401 - registers the hybrid's ops
 from dtensor_ring.hybrid.comm import traced_comms
 
-VERSION = "ring_expand-6"
+VERSION = "ring_expand-7"
 COUNTERS: collections.Counter = collections.Counter()
 
 
@@ -164,7 +164,7 @@ def expand_ring_attention(graph: torch.fx.Graph) -> int:
             # A ring forward in a backward graph: activation checkpointing's recompute, which
             # communicates again (zero under dr.save_ring_attention_context).
             COUNTERS["recomputed_ring_attention_fwd"] += 1
-    _order_waits(graph)
+    _order_exchanges(graph)
     _order_kernels(graph)
     graph.lint()
     return len(nodes)
@@ -175,6 +175,9 @@ _BEGIN = torch.ops.dtensor_ring.begin_exchange.default
 _BEGUN = torch.ops.dtensor_ring.post_begun_exchange.default
 _POSTS = (_POST, _BEGIN, _BEGUN)  # each posts (part of) an exchange (comm/traced.py)
 _WAIT = torch.ops.dtensor_ring.wait_exchange.default
+# each exchange op's argument ``after_kernels`` (comm/traced.py): its position
+_KERNELS = {op: [a.name for a in op._schema.arguments].index("after_kernels")
+            for op in (*_POSTS, _WAIT)}
 
 
 def _is_attention(node) -> bool:
@@ -184,36 +187,53 @@ def _is_attention(node) -> bool:
         word in name for word in ("scaled_dot_product", "flash", "attention"))
 
 
-def _order_waits(graph: torch.fx.Graph) -> None:
-    """Each wait after the last post and the last attention kernel before it in graph order (the
-    schedule's order, as eager runs it), through ``wait_exchange``'s ``after_post`` and
-    ``after_kernel``: inductor would otherwise hoist waits above the blocks they were posted to
-    overlap (``comm/traced.py``). The kernel counts only where it comes after the wait's own
-    post: it is what overlaps it. Likewise each ``post_begun_exchange`` after the last kernel
-    launched since its begin (``after_kernel``). A kernel is represented by its first output
-    read (a tensor node)."""
-    position, last_post, last_kernel = {}, None, None
+def _order_exchanges(graph: torch.fx.Graph) -> None:
+    """Each exchange op after the compute that comes before it in graph order (the schedule's
+    order, as eager runs it), through arguments that are only dependencies (``comm/traced.py``):
+    inductor places a node anywhere its inputs allow.
 
-    def kernel_since(start):
-        """The last kernel after ``start`` in graph order, or None."""
-        return (last_kernel if last_kernel is not None and position[last_kernel] > position[start]
-                else None)
+    * A wait after the last post before it (``after_post``) and after every attention kernel
+      since its own post (``after_kernels``): the blocks it was posted to overlap. Inductor's
+      peak-memory reordering hoisted waits above them.
+    * A post (``post_exchange``, ``begin_exchange``) after every kernel since the post before
+      it. A post that reads only local tensors could otherwise go first: compiled llama3 posted
+      every head group's all-gather at the start of its forward, all four in flight at once,
+      and deferred the first groups' blocks below later waits (4 H200s, 8K tokens per GPU, 32/32
+      heads: its forward took 1.4x eager's time).
+    * ``post_begun_exchange`` after every kernel launched since its begin.
+
+    Kernels a node already depends on (through any of their outputs) are left out. A kernel is
+    handed over as its first output read (a tensor node)."""
+    position, kernels, first, reads = {}, [], {}, {}  # reads: node -> the kernels it depends on
+    last_post = None
+
+    def order(node, since) -> None:
+        missing = [first[k] for k in kernels
+                   if position[k] > since and k not in reads[node] and k in first]
+        if missing:
+            node.update_arg(_KERNELS[node.target], missing)
+            reads[node] = reads[node] | {m.args[0] for m in missing}
 
     for i, node in enumerate(graph.nodes):
         position[node] = i
-        if node.target is _BEGUN and kernel_since(node.args[0]) is not None:
-            node.update_kwarg("after_kernel", kernel_since(node.args[0]))
-        if node.target in _POSTS:
-            last_post = node
-        elif (node.target is operator.getitem and _is_attention(node.args[0])
-              and (last_kernel is None or last_kernel.args[0] is not node.args[0])):
-            last_kernel = node
+        reads[node] = frozenset().union(*(reads[a] for a in node.all_input_nodes))
+        if _is_attention(node):
+            kernels.append(node)
+            reads[node] = reads[node] | {node}
+        elif node.target is operator.getitem and _is_attention(node.args[0]):
+            first.setdefault(node.args[0], node)
         elif node.target is _WAIT:
             posted = node.args[0]
             if last_post is not posted:
                 node.update_kwarg("after_post", last_post)
-            if kernel_since(posted) is not None:
-                node.update_kwarg("after_kernel", kernel_since(posted))
+                reads[node] = reads[node] | reads[last_post]
+            order(node, position[posted])
+        elif node.target is _BEGUN:
+            order(node, position[node.args[0]])
+            last_post = node
+        elif node.target in _POSTS:
+            order(node, -1 if last_post is None else position[last_post])
+            last_post = node
 
 
 _AFTER = torch.ops.dtensor_ring.after_exchange.default

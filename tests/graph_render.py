@@ -4,12 +4,12 @@
   in graph order (each takes the previous one's handle: inductor cannot reorder them), every post
   waited on exactly once, its wait holding the tensors sent (their last use: no buffer reuse
   while in flight) and, as dependencies that keep inductor from hoisting it, the last post before
-  it in graph order where that is another (``after_post``) and the output of the last attention
-  kernel between its post and it, if any (``after_kernel``); and every backward attention
-  kernel after the last post before it in graph order, through what it reads (else inductor
-  may move it above that post). A shift or windowed exchange begun before a step's kernels
-  (``begin_exchange``) is posted (``post_begun_exchange``) next on its group, after the last
-  of those kernels.
+  it in graph order where that is another (``after_post``); every wait after (reading, directly
+  or not) each attention kernel between its post and it, every post after each kernel since the
+  post before it; and every backward attention kernel after the last post before it in graph
+  order, through what it reads (else inductor may move it above that post). A shift or windowed
+  exchange begun before a step's kernels (``begin_exchange``) is posted
+  (``post_begun_exchange``) next on its group, after those kernels.
 * ``render``: the whole graph, one line per exchange posted or begun (its kind, the shapes
   sent), begun exchange's second half ("posted"), wait (the shapes received) and attention
   kernel (query and key shapes, its mask), in graph order; each line ends with the number of
@@ -79,42 +79,43 @@ def check_exchanges(graph: torch.fx.Graph) -> list:
     """Raise AssertionError where an exchange breaks the rules above; return (post, wait) pairs
     in the order posted (a begun exchange's post: its ``begin_exchange``)."""
     last, pairs = {}, []  # group name -> the handle its next post must be chained after
-    latest, output, position = None, None, {}  # the last post; the last kernel's first output
+    latest, kernels, position = None, [], {}  # the last post; the attention kernels so far
     depends = {}  # node -> the position of the latest post it reads through its inputs (-1)
+    reads = {}  # node -> the attention kernels it reads, directly or not
 
-    def kernel_since(start):  # the last kernel output after ``start`` in graph order, or None
-        return output if output is not None and position[output] > position[start] else None
+    def after_kernels(node, since, what):
+        missed = [k for k in kernels if position[k] > position[since] and k not in reads[node]]
+        assert not missed, f"{node} ({what}) does not come after kernels {missed}"
 
     for i, node in enumerate(graph.nodes):
         position[node] = i
         depends[node] = i if node.target in (POST, BEGIN, BEGUN) else max(
             (depends.get(a, -1) for a in node.all_input_nodes), default=-1)
-        if is_kernel(node) and "backward" in str(node.target) and latest is not None:
-            assert depends[node] >= position[latest], (
-                f"{node} does not depend on {latest}, the last post before it")
-        if (node.target is operator.getitem and is_kernel(node.args[0])
-                and (output is None or output.args[0] is not node.args[0])):
-            output = node
+        reads[node] = frozenset().union(*(reads[a] for a in node.all_input_nodes))
+        if is_kernel(node):
+            if "backward" in str(node.target) and latest is not None:
+                assert depends[node] >= position[latest], (
+                    f"{node} does not depend on {latest}, the last post before it")
+            kernels.append(node)
+            reads[node] = reads[node] | {node}
         if node.target is WAIT:
             posted = node.args[0]
             assert posted.target in (POST, BEGUN), f"{node} waits on {posted}, not a post"
             want = None if latest is posted else latest
             assert _arg(node, "after_post") is want, (
                 f"{node} waits after {_arg(node, 'after_post')}, not after {want}, the last post")
-            want = kernel_since(posted)
-            assert _arg(node, "after_kernel") is want, (
-                f"{node} waits after kernel {_arg(node, 'after_kernel')}, not after {want}")
+            after_kernels(node, posted, "a wait: the kernels since its post")
         if node.target is BEGUN:
             begun = node.args[0]
             assert begun.target is BEGIN, f"{node} posts {begun}, not a begun exchange"
             group = _arg(begun, "group_name")
             assert last.get(group) is begun, f"{node} is not the next post after {begun}"
-            want = kernel_since(begun)
-            assert _arg(node, "after_kernel") is want, (
-                f"{node} posts after kernel {_arg(node, 'after_kernel')}, not after {want}")
+            after_kernels(node, begun, "a begun exchange's post: the kernels since its begin")
             latest = last[group] = node
         if node.target not in (POST, BEGIN):
             continue
+        if latest is not None:
+            after_kernels(node, latest, "a post: the kernels since the post before it")
         latest = node
         group = _arg(node, "group_name")
         assert node.args[1] is last.get(group), (

@@ -28,10 +28,12 @@ import dtensor_ring  # noqa: F401 - registers the ops
 from dtensor_ring import ops
 from dtensor_ring.comm.mesh import resolve_mesh
 from dtensor_ring.hybrid import heads as hybrid_heads
+from dtensor_ring.kernels.base import CAUSAL, NONE
+from dtensor_ring.kernels.cpu_flash import CpuFlash
 from dtensor_ring.hybrid import ops as hybrid_ops
 from dtensor_ring.passes import (COUNTERS, ComposedPass, RingExpandPass, expand_ring_attention,
                                  install)
-from dtensor_ring.passes.ring_expand import source_key
+from dtensor_ring.passes.ring_expand import _order_exchanges as order_exchanges, source_key
 from graph_render import AFTER, BEGUN, check_exchanges, count_table, counts, render
 
 Q = torch.randn(1, 4, 16, 8)
@@ -88,6 +90,20 @@ CASES = [(s, c, b) for s in ("ring", "zigzag", "stripe", "llama3") for c in (Tru
 def _name(schedule, is_causal, backward, documents=False, window=NO_WINDOW):
     return " ".join([schedule, "causal" if is_causal else "full", "bwd" if backward else "fwd"]
                     + ["docs"] * documents + [f"window {window[0]}"] * (window != NO_WINDOW))
+
+
+def _after_kernels_index(node) -> int:
+    return [a.name for a in node.target._schema.arguments].index("after_kernels")
+
+
+def _after_kernels(node) -> list:
+    """The kernels (their first outputs) ``node``, an exchange op, is ordered after."""
+    return node.args[_after_kernels_index(node)]
+
+
+def _drop_after_kernels(node):
+    """``node`` (an exchange op) no longer after any kernel."""
+    node.update_arg(_after_kernels_index(node), [])
 
 
 def _drop_wait(wait):
@@ -272,23 +288,25 @@ hybrid causal bwd          all_to_all@a2a 6, send_recv_next@ring 4 4160       7 
         _drop_wait(check_exchanges(graph)[1][1])
         with self.assertRaisesRegex(AssertionError, "waited on 0 times"):
             render(graph)
-        graph = fresh()  # an exchange removed (its wait too; the chain mended)
+        graph = fresh()  # an exchange removed (its wait too; the chain and the order mended)
         (post, wait), (later, _) = check_exchanges(graph)[1:]
         _drop_wait(wait)
         later.update_arg(1, post.args[1])
         graph.erase_node(post)
+        order_exchanges(graph)
         self.assertEqual(counts(graph)["exchanges"], {"send_recv_next": 2})
-        graph = fresh()  # a wait moved up to its post, above the kernel it must follow
+        graph = fresh()  # a wait free to move above the kernel it overlaps
         post, wait = check_exchanges(graph)[1]
-        post.append(wait)
-        with self.assertRaisesRegex(AssertionError, "waits after kernel"):
+        _drop_after_kernels(wait)
+        with self.assertRaisesRegex(AssertionError, "a wait: the kernels since its post"):
             counts(graph)
-        wait.update_kwarg("after_kernel", None)  # and that dependency dropped: it overlaps nothing
+        post.append(wait)  # moved up to its post (the order mended below it): it overlaps nothing
+        order_exchanges(graph)
         self.assertEqual(counts(graph)["overlapped"], 2)
         graph = fresh()  # the first shift's second half free to move above the own block
         (begun,) = [n for n in graph.nodes if n.target is BEGUN]
-        begun.update_kwarg("after_kernel", None)
-        with self.assertRaisesRegex(AssertionError, "posts after kernel None"):
+        _drop_after_kernels(begun)
+        with self.assertRaisesRegex(AssertionError, "a begun exchange's post: the kernels"):
             counts(graph)
         # another schedule with the same exchanges: stripe's blocks
         self.assertNotEqual(counts(*expanded("stripe", True, False)), pinned)
@@ -321,20 +339,61 @@ class PassPlumbingTest(FakeWorld):
         handles = [wait.args[0] for _, wait in pairs]
         self.assertEqual([post.args[1] for post, _ in pairs], [None, *handles[:-1]])
 
+    def test_llama3_gathers_stay_below_the_blocks_before_them(self):
+        """llama3 with a kernel that has no bottom-right causal mask (cuDNN's plan: the own block
+        first, then two blocks per head group). Its all-gathers read only local K/V; compiled on
+        4 H200s, inductor posted all four groups' at the start of the forward (1.4x eager's time).
+        Each gather after the first now comes after the blocks the schedule computes before it,
+        and each wait after its group's blocks (traced here with the CPU kernel's mask
+        restricted to cuDNN's)."""
+        q, kv = torch.randn(1, 8, 16, 8), torch.randn(1, 4, 16, 8)  # 4 kv heads: 4 groups at W = 4
+        options = (dist.group.WORLD.group_name, "llama3", True, 0.25, "cpu_flash", "fp32", None,
+                   0, *NO_WINDOW)
+        with mock.patch.object(CpuFlash, "masks", (NONE, CAUSAL)):
+            gm = make_fx(lambda a, b, c: ops.ring_attention_fwd(a, b, c, *options),
+                         tracing_mode="fake")(q, kv, kv)
+            expand_ring_attention(gm.graph)
+        gathers = [post for post, _ in check_exchanges(gm.graph)]
+        self.assertEqual(len(gathers), 4)
+        self.assertEqual([len(_after_kernels(post)) for post in gathers], [0, 1, 2, 2])
+        self.assertExpectedInline(render(gm.graph), """\
++6 ops
+all_gather(16x2x1x1x8)
+attn(q 1x8x16x8, k 1x4x16x8, causal)       +3 ops
+wait(4x16x2x1x1x8)                         +7 ops
+all_gather(16x2x1x1x8)                     +17 ops
+attn(q 1x2x16x8, k 1x1x8x8, full)          +7 ops
+attn(q 1x2x8x8, k 1x1x32x8, full)          +56 ops
+wait(4x16x2x1x1x8)                         +7 ops
+all_gather(16x2x1x1x8)                     +15 ops
+attn(q 1x2x16x8, k 1x1x8x8, full)          +7 ops
+attn(q 1x2x8x8, k 1x1x32x8, full)          +58 ops
+wait(4x16x2x1x1x8)                         +7 ops
+all_gather(16x2x1x1x8)                     +15 ops
+attn(q 1x2x16x8, k 1x1x8x8, full)          +7 ops
+attn(q 1x2x8x8, k 1x1x32x8, full)          +58 ops
+wait(4x16x2x1x1x8)                         +16 ops
+attn(q 1x2x16x8, k 1x1x8x8, full)          +7 ops
+attn(q 1x2x8x8, k 1x1x32x8, full)          +58 ops""")
+        _drop_after_kernels(gathers[2])
+        with self.assertRaisesRegex(AssertionError, "a post: the kernels since the post before"):
+            check_exchanges(gm.graph)
+
     def test_a_handle_from_elsewhere_is_refused(self):
         """The exchange in flight travels on the handle (comm/traced.py): a tensor the posting op
         did not return, or a handle used twice, is an error naming the op, not a silent hang."""
         group, x = dist.group.WORLD.group_name, torch.randn(1, 2, 4, 8)
+        ops, none = torch.ops.dtensor_ring, []  # no kernel to come after
         with self.assertRaisesRegex(RuntimeError, "begin_exchange did not return"):
-            torch.ops.dtensor_ring.post_begun_exchange(torch.empty(0))
-        begun = torch.ops.dtensor_ring.begin_exchange([x], None, group)
-        handle = torch.ops.dtensor_ring.post_begun_exchange(begun)
+            ops.post_begun_exchange(torch.empty(0), none)
+        begun = ops.begin_exchange([x], None, group, none)
+        handle = ops.post_begun_exchange(begun, none)
         with self.assertRaisesRegex(RuntimeError, "or posted it twice"):
-            torch.ops.dtensor_ring.post_begun_exchange(begun)
-        (received,) = torch.ops.dtensor_ring.wait_exchange(handle, [x], "send_recv_next", 4)
+            ops.post_begun_exchange(begun, none)
+        (received,) = ops.wait_exchange(handle, [x], "send_recv_next", 4, none)
         self.assertEqual(received.shape, x.shape)
         with self.assertRaisesRegex(RuntimeError, "post_exchange did not return .or waited"):
-            torch.ops.dtensor_ring.wait_exchange(handle, [x], "send_recv_next", 4)
+            ops.wait_exchange(handle, [x], "send_recv_next", 4, none)
 
     def test_the_pinned_copy_has_eager_strides(self):
         """``after_exchange`` (the pin of ``_order_kernels``) copies its input with the strides

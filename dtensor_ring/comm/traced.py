@@ -1,9 +1,10 @@
 """The communicator of schedules traced by the compile pass (``TracedComm``): each exchange a pair
 of custom ops around the eager one,
 
-    handle   = dtensor_ring::post_exchange(tensors, after, kind, group_name)  # posts it at once
-    received = dtensor_ring::wait_exchange(handle, tensors, kind, world_size, recv_sizes,
-                                           after_post, after_kernel)   # its result
+    handle   = dtensor_ring::post_exchange(tensors, after, kind, group_name,
+                                           after_kernels)              # posts it at once
+    received = dtensor_ring::wait_exchange(handle, tensors, kind, world_size, after_kernels,
+                                           recv_sizes, after_post)     # its result
 
 ``kind`` names the ``ProcessGroupComm`` operation run inside ("send_recv_next", "send_recv",
 "all_gather", "reduce_scatter", and the hybrid's "all_to_all"; "send_recv", the sliding-window
@@ -19,7 +20,7 @@ posts it (``ProcessGroupComm.begin_send_recv_next`` / ``begin_send_recv``):
 
     begun    = dtensor_ring::begin_exchange(tensors, after, group_name, kind, ...)  # NCCL: posted
     ... the step's kernels ...
-    handle   = dtensor_ring::post_begun_exchange(begun, after_kernel)    # copy engines: posted
+    handle   = dtensor_ring::post_begun_exchange(begun, after_kernels)   # copy engines: posted
 
 NCCL's kernels must reach the GPU before the attention kernel's, which would hold every SM; the
 copy engines need no SM, so the kernel goes first and the GPU computes while the host posts the
@@ -46,10 +47,16 @@ What inductor must not do, and how it is kept from it:
   a node anywhere its inputs allow, and its peak-memory reordering hoisted waits: in llama3's
   backward (the plan for kernels without a bottom-right causal mask, as cuDNN) each head group's
   reduce-scatter was posted below the next group's blocks and waited on at once, nothing
-  overlapped. ``wait_exchange`` takes ``after_post`` and ``after_kernel`` only as dependencies:
-  the pass hands it the last post and the last attention kernel's output before the wait in graph
-  order (``passes/ring_expand.py``, ``_order_waits``); a begun shift's second half likewise takes
-  the last kernel since its begin, so the copies are posted after that kernel's launch.
+  overlapped. ``wait_exchange`` takes ``after_post`` and ``after_kernels`` only as dependencies:
+  the pass hands it the last post before the wait in graph order and every attention kernel's
+  output since its own post (``passes/ring_expand.py``, ``_order_exchanges``); a begun shift's
+  second half likewise takes the kernels since its begin, so the copies are posted after their
+  launch.
+* Move a post above the compute that the schedule put before it. A post that reads only local
+  tensors (llama3's all-gathers, a sliding window's messages) depends on no compute: inductor
+  posted all of compiled llama3's head groups at the start of its forward, four in flight at
+  once, and its blocks waited on later groups (the forward 1.4x eager's time on 4 H200s). Posts
+  take ``after_kernels`` too: every kernel since the post before.
 * Move compute above the post that the schedule put before it. The blocks after a post whose
   operands are all local (the backward's late own blocks, after the dK/dV accumulator's post)
   depend on it through nothing, and inductor's peak-memory reordering moved them above it: the
@@ -93,7 +100,7 @@ def _shapes(recv_sizes, tensors) -> list[list[int]]:
 
 @torch.library.custom_op("dtensor_ring::post_exchange", mutates_args=(), tags=_TAGS)
 def post_exchange(tensors: list[torch.Tensor], after: Optional[torch.Tensor], kind: str,
-                  group_name: str, offset: int = 0,
+                  group_name: str, after_kernels: list[torch.Tensor], offset: int = 0,
                   recv_sizes: Optional[list[int]] = None, most_rows: int = 0) -> torch.Tensor:
     operation = getattr(comm_of(_resolve_process_group(group_name)), kind)
     handle = tensors[0].new_empty(0)
@@ -106,15 +113,15 @@ def post_exchange(tensors: list[torch.Tensor], after: Optional[torch.Tensor], ki
 
 
 @post_exchange.register_fake
-def _(tensors, after, kind, group_name, offset=0, recv_sizes=None, most_rows=0):
+def _(tensors, after, kind, group_name, after_kernels, offset=0, recv_sizes=None, most_rows=0):
     return tensors[0].new_empty(0)
 
 
 @torch.library.custom_op("dtensor_ring::wait_exchange", mutates_args=(), tags=_TAGS)
 def wait_exchange(handle: torch.Tensor, tensors: list[torch.Tensor], kind: str,
-                  world_size: int, recv_sizes: Optional[list[int]] = None,
-                  after_post: Optional[torch.Tensor] = None,
-                  after_kernel: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                  world_size: int, after_kernels: list[torch.Tensor],
+                  recv_sizes: Optional[list[int]] = None,
+                  after_post: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     exchange = getattr(handle, _IN_FLIGHT, None)
     if exchange is None:
         raise RuntimeError("dtensor_ring::wait_exchange was handed a tensor that "
@@ -125,7 +132,7 @@ def wait_exchange(handle: torch.Tensor, tensors: list[torch.Tensor], kind: str,
 
 
 @wait_exchange.register_fake
-def _(handle, tensors, kind, world_size, recv_sizes=None, after_post=None, after_kernel=None):
+def _(handle, tensors, kind, world_size, after_kernels, recv_sizes=None, after_post=None):
     if kind == "send_recv_next":
         return [t.new_empty(t.shape) for t in tensors]  # contiguous, as they are received
     if kind == "send_recv":
@@ -138,7 +145,8 @@ def _(handle, tensors, kind, world_size, recv_sizes=None, after_post=None, after
 
 @torch.library.custom_op("dtensor_ring::begin_exchange", mutates_args=(), tags=_TAGS)
 def begin_exchange(tensors: list[torch.Tensor], after: Optional[torch.Tensor],
-                   group_name: str, kind: str = "send_recv_next", offset: int = 0,
+                   group_name: str, after_kernels: list[torch.Tensor],
+                   kind: str = "send_recv_next", offset: int = 0,
                    recv_sizes: Optional[list[int]] = None, most_rows: int = 0) -> torch.Tensor:
     """The first half of a ring shift or sliding-window exchange (``kind``, with
     ``post_exchange``'s arguments) whose step launches compute in between
@@ -155,15 +163,15 @@ def begin_exchange(tensors: list[torch.Tensor], after: Optional[torch.Tensor],
 
 
 @begin_exchange.register_fake
-def _(tensors, after, group_name, kind="send_recv_next", offset=0, recv_sizes=None, most_rows=0):
+def _(tensors, after, group_name, after_kernels, kind="send_recv_next", offset=0,
+      recv_sizes=None, most_rows=0):
     return tensors[0].new_empty(0)
 
 
 @torch.library.custom_op("dtensor_ring::post_begun_exchange", mutates_args=(), tags=_TAGS)
-def post_begun_exchange(begun: torch.Tensor,
-                        after_kernel: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The second half of ``begun``'s shift; its handle, as ``post_exchange``'s. ``after_kernel``
-    is only a dependency: the pass hands it the last attention kernel launched since the begin."""
+def post_begun_exchange(begun: torch.Tensor, after_kernels: list[torch.Tensor]) -> torch.Tensor:
+    """The second half of ``begun``'s shift; its handle, as ``post_exchange``'s. ``after_kernels``
+    are only dependencies: the pass hands it the attention kernels launched since the begin."""
     post = getattr(begun, _BEGUN, None)
     if post is None:
         raise RuntimeError("dtensor_ring::post_begun_exchange was handed a tensor that "
@@ -175,7 +183,7 @@ def post_begun_exchange(begun: torch.Tensor,
 
 
 @post_begun_exchange.register_fake
-def _(begun, after_kernel=None):
+def _(begun, after_kernels):
     return begun.new_empty(0)
 
 
@@ -222,7 +230,8 @@ class _Posted:
         self.args = handle, tensors, kind, world_size, recv_sizes
 
     def wait(self):
-        received = wait_exchange(*self.args)
+        handle, tensors, kind, world_size, recv_sizes = self.args
+        received = wait_exchange(handle, tensors, kind, world_size, [], recv_sizes)
         return received if self.args[2] in _LISTS else received[0]
 
 
@@ -241,13 +250,13 @@ class TracedComm:
         posted: the order eager runs them in."""
         tensors = list(tensors)
         if overlapping is None:
-            self.last = post_exchange(tensors, self.last, kind, self.group_name, offset,
+            self.last = post_exchange(tensors, self.last, kind, self.group_name, [], offset,
                                       recv_sizes, most_rows)
         else:
-            begun = begin_exchange(tensors, self.last, self.group_name, kind, offset, recv_sizes,
-                                   most_rows)
+            begun = begin_exchange(tensors, self.last, self.group_name, [], kind, offset,
+                                   recv_sizes, most_rows)
             overlapping()
-            self.last = post_begun_exchange(begun)
+            self.last = post_begun_exchange(begun, [])
         return _Posted(self.last, tensors, kind, self.world_size, recv_sizes)
 
     def send_recv_next(self, tensors, overlapping=None):
