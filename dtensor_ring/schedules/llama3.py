@@ -60,6 +60,7 @@ from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
 from ..layouts import ZIGZAG, Block, Segments
 from ..layouts.base import local_bounds, pairs
+from ..layouts.boundaries import is_traced
 from ..layouts.placement import exchanged_rows, placement_of, with_inert_tail
 from ..layouts.windows import Run, band_block, with_positions
 from ..merge import MAX_PARTS, accumulate_, merge_many_, sum_many_
@@ -390,13 +391,24 @@ class Llama3:
             return plan.result(kernel, q, *plan.start(kernel, q, k, v, scale))
         first, lse = plan.start(kernel, q, k, v, scale)
         out = merge_target(first)
+        # Traced (the compile pass), each group's result is its own tensor and the groups are
+        # concatenated at the end. Written through head slices of one tensor, each group's
+        # functionalised write was a pass over every head under inductor (4 H200s, 8K tokens per
+        # GPU, 32/32 heads: 0.12-0.14 ms per group against 0.02 for eager's in-place merge).
+        traced, results = is_traced(q), []
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
                 pending = comm.all_gather(plan.message(k, v, groups[i + 1], rows))
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
-            plan.forward_(kernel, q[:, q_heads], gathered, scale, first[:, q_heads],
-                          lse[:, q_heads], None if out is first else out[:, q_heads])
+            if traced:
+                results.append((first[:, q_heads].clone(), lse[:, q_heads].clone()))
+                plan.forward_(kernel, q[:, q_heads], gathered, scale, *results[-1], None)
+            else:
+                plan.forward_(kernel, q[:, q_heads], gathered, scale, first[:, q_heads],
+                              lse[:, q_heads], None if out is first else out[:, q_heads])
+        if traced:
+            out, lse = (torch.cat(parts, 1) for parts in zip(*results))
         return plan.result(kernel, q, out, lse)
 
     def backward(self, comm: Communicator, dout, q, k, v, out, lse, *, is_causal, scale, kernel,
