@@ -21,7 +21,6 @@
   all ops; ``count_table``: one row of them per graph.
 """
 import collections
-import operator
 
 import torch
 
