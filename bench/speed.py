@@ -28,8 +28,9 @@ Methods, per config (tokens per GPU x kv heads; d = 128, causal bf16 unless told
 
 Columns: forward and forward+backward time (CUDA events, --warmup, median of --iters, max over
 ranks; each run starts on an idle GPU, on every rank at once (``timing.aligned``), so its time
-holds the GPU's wait for the host to reach the first kernel), fraction of the ideal, on CUDA the same fractions in steady state (``st f`` /
-``st fb``: runs back to back with the host ahead, as a model's layers run; ``steady_ms``), the
+holds the GPU's wait for the host to reach the first kernel), fraction of the ideal, on CUDA the
+same fractions in steady state (``st f`` / ``st fb``: runs back to back with the host ahead, as
+a model's layers run; ``steady_ms``), the
 memory the call adds on top of its inputs at its peak (``max_memory_allocated`` - allocated before, reset per method, max over ranks; for the ideal rows
 on one GPU over the whole sequence), and the rel-RMS error of out/dq/dk/dv against a float64
 reference of the whole attention, as a ratio to single-GPU cuDNN's own rel-RMS (1.00 = splitting
