@@ -28,7 +28,7 @@ def run_times(fn, warmup, iters, device="cuda"):
     """(times, host times) in ms of each of ``iters`` runs of ``fn()`` after ``warmup`` runs.
 
     On CUDA a run is timed by CUDA events recorded before and after it, with a synchronization
-    after each run (and one after the warm-up), so a run starts on an idle GPU and its time
+    before and after each run, so a run starts on an idle GPU and its time
     includes any wait of the GPU for the host; its host time is the wall time until ``fn()``
     returns, before that synchronization: how long the host takes to enqueue the run. On CPU
     both are the host clock's time of the run.
@@ -42,11 +42,9 @@ def run_times(fn, warmup, iters, device="cuda"):
     for _ in range(warmup):
         fn()
     cuda = torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
     times, host = [], []
     for _ in range(iters):
-        aligned()
+        aligned()  # the warm-up's (and the last run's) work done, on every rank
         if not cuda:
             start = time.perf_counter()
             fn()

@@ -232,7 +232,7 @@ class _Posted:
     def wait(self):
         handle, tensors, kind, world_size, recv_sizes = self.args
         received = wait_exchange(handle, tensors, kind, world_size, [], recv_sizes)
-        return received if self.args[2] in _LISTS else received[0]
+        return received if kind in _LISTS else received[0]
 
 
 class TracedComm:

@@ -80,24 +80,19 @@ def reversed_causal(window: Band, seq_q: int, seq_k: int) -> bool:
     return window.lo == 0 and window.hi is None and seq_q == seq_k
 
 
-def reverse_rows(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, ...] with its rows (dim 2) in reverse order (a copy, in machine words where it
-    can: ``words.flipped_rows``)."""
-    return flipped_rows(x)
-
-
 def reversed_forward(forward, q, k, v, scale: float):
     """(out, lse) of a ``reversed_causal`` block through a kernel's own causal
-    ``forward(q, k, v, mask, scale)``, on its rows and keys reversed."""
-    out, lse = forward(*map(reverse_rows, (q, k, v)), CAUSAL, scale)
-    return reverse_rows(out), reverse_rows(lse)
+    ``forward(q, k, v, mask, scale)``, on its rows and keys reversed (``words.flipped_rows``:
+    copies, in machine words where they can be)."""
+    out, lse = forward(*map(flipped_rows, (q, k, v)), CAUSAL, scale)
+    return flipped_rows(out), flipped_rows(lse)
 
 
 def reversed_backward(backward, dout, q, k, v, out, lse, scale: float):
     """dq, dk, dv of a ``reversed_causal`` block through a kernel's own causal
     ``backward(dout, q, k, v, out, lse, mask, scale)``, on its rows and keys reversed."""
-    grads = backward(*map(reverse_rows, (dout, q, k, v, out, lse)), CAUSAL, scale)
-    return tuple(map(reverse_rows, grads))
+    grads = backward(*map(flipped_rows, (dout, q, k, v, out, lse)), CAUSAL, scale)
+    return tuple(map(flipped_rows, grads))
 
 
 def _bshd(x: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ def flipped_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.flip(2)``: [B, H, S, D] with its rows (dim 2) in reverse order, moved in words where
     its last dim is contiguous. PyTorch's flip computes a source index per element; a row of D =
     128 bf16 moves as 8 words of 16 bytes (the reversed edge blocks of a sliding window flip
-    q, k, v, dO, O and their results: ``kernels/windows.reverse_rows``). Traced (the compile
+    q, k, v, dO, O and their results: ``kernels/windows.reversed_forward``). Traced (the compile
     pass), and where the last dim is not contiguous (an expanded gradient) or there is none (an
     LSE [B, H, S]), ``flip`` as it is: inductor writes the traced copy itself. (``is_fake``, not
     a test of the tensor's type: the pass traces through ``torch.func.functionalize``, whose
