@@ -20,7 +20,8 @@ backward's own dK/dV with the accumulator that came home).
 Implementations, one per device kind (``FP32_OPS``): on CUDA Triton kernels (``fused.py``:
 each one pass over its tensors; PyTorch's merge is ~8 elementwise kernels, and its 16-bit -> fp32
 copy and add take the slower mixed-dtype path), elsewhere torch ops. Traced code (the compile
-pass's ``make_fx``) takes the torch ops on any device: inductor fuses them itself.
+pass's ``make_fx``) merges through a custom op that runs the device's implementation
+(``traced.py``) and accumulates with the torch ops, which inductor fuses itself.
 """
 import importlib.util
 
@@ -99,8 +100,11 @@ FP32_OPS = {"cuda": TritonFp32 if _HAS_TRITON else TorchFp32, "other": TorchFp32
 
 
 def _ops(tensor: torch.Tensor):
-    traced = get_proxy_mode() is not None or is_fake(tensor)
-    return FP32_OPS["cuda" if tensor.device.type == "cuda" and not traced else "other"]
+    if get_proxy_mode() is not None or is_fake(tensor):
+        from .traced import TracedFp32  # noqa: PLC0415 - it imports this module
+
+        return TracedFp32
+    return FP32_OPS["cuda" if tensor.device.type == "cuda" else "other"]
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,

@@ -1,0 +1,86 @@
+"""The forward merge of traced code (``merge/traced.py``): traced as the compile pass traces a
+schedule (``make_fx`` over ``functionalize``, inductor's decompositions), each merge is one
+``dtensor_ring::merged`` op that runs the eager implementation, so the traced graph gives eager's
+bits; and both are the float64 merge to within fp32 rounding (2e-6 on values of order 1..10; the
+merge's own error is a few fp32 ulps), where a block left out is far off. On CPU the op runs the
+torch form; on a GPU, the Triton kernel."""
+import pytest
+import torch
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dtensor_ring.merge import merge_, merge_many_
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SEQ, DIM = 24, 8
+SPANS = (slice(0, 24), slice(6, 18), slice(12, 24))  # rows of each block, overlapping as steps do
+
+
+def _inputs(gen):
+    """(first, first_lse, then per block its out (bf16, as a kernel gives it) and lse)."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    first, first_lse = randn(1, 2, SEQ, DIM), randn(1, 2, SEQ) * 3
+    blocks = []
+    for rows in SPANS:
+        n = rows.stop - rows.start
+        blocks += [randn(1, 2, n, DIM).to(torch.bfloat16), randn(1, 2, n) * 3]
+    return first, first_lse, *blocks
+
+
+def _merges(first, first_lse, *blocks):
+    """A schedule's merges: all blocks in one pass into a fresh target, then the first block
+    again merged in place into a row slice (as ``attend_`` merges into its block's rows)."""
+    parts = [(blocks[2 * i], blocks[2 * i + 1], rows) for i, rows in enumerate(SPANS)]
+    out, lse = torch.empty_like(first), torch.empty_like(first_lse)
+    merge_many_(out, lse, first, first_lse, parts)
+    merge_(out[:, :, 6:18], lse[:, :, 6:18], *blocks[2:4])
+    return out, lse
+
+
+def _float64(first, first_lse, *blocks):
+    """The same merges in float64 from their definition: out = sum of exp(lse) out / sum of
+    exp(lse) over the results each row holds."""
+    out, lse = first.double(), first_lse.double()
+    for i, rows in enumerate([*SPANS, SPANS[1]]):  # the last: the second block again
+        j = 1 if i == 3 else i
+        block_out, block_lse = blocks[2 * j].double(), blocks[2 * j + 1].double()
+        a, b = lse[:, :, rows], block_lse
+        total = torch.logaddexp(a, b)
+        out[:, :, rows] = ((a - total).exp().unsqueeze(-1) * out[:, :, rows]
+                           + (b - total).exp().unsqueeze(-1) * block_out)
+        lse[:, :, rows] = total
+    return out, lse
+
+
+def test_traced_merges_are_one_op_each_and_give_the_eager_bits():
+    inputs = _inputs(torch.Generator().manual_seed(0))
+    graph = make_fx(torch.func.functionalize(_merges), select_decomp_table())(*inputs)
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert targets.count("dtensor_ring.merged.default") == 2, targets
+    assert not any(name in t for t in targets for name in ("exp", "log", "sigmoid")), targets
+    traced, eager = graph(*inputs), _merges(*inputs)
+    for got, expected in zip(traced, eager):
+        assert torch.equal(got, expected)
+    for got, expected in zip(eager, _float64(*inputs)):
+        torch.testing.assert_close(got.double(), expected, rtol=2e-6, atol=2e-6)
+
+
+def test_a_block_left_out_of_the_traced_merge_shows():
+    inputs = list(_inputs(torch.Generator().manual_seed(1)))
+    expected = _float64(*inputs)
+    inputs[7] = torch.full_like(inputs[7], float("-inf"))  # the third block: no key seen
+    got = make_fx(torch.func.functionalize(_merges), select_decomp_table())(*inputs)(*inputs)
+    assert (got[0].double() - expected[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_op_writes_new_contiguous_tensors_in_the_target_dtype(dtype):
+    first, first_lse, block_out, block_lse, *_ = _inputs(torch.Generator().manual_seed(2))
+    first = first.transpose(1, 2).contiguous().transpose(1, 2)  # a model's [B, S, H, D] memory
+    out, lse = torch.ops.dtensor_ring.merged(first, first_lse, [block_out], [block_lse],
+                                             [0, SEQ], dtype)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert out.data_ptr() != first.data_ptr() and lse.data_ptr() != first_lse.data_ptr()
