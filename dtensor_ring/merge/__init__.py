@@ -2,11 +2,10 @@
 
 * ``online.py``  the online-softmax merge and the accumulation, one implementation per device kind
 * ``fused.py``   the same as Triton kernels (CUDA; loaded only where Triton is installed)
-* ``traced.py``  the merge of traced code: one custom op around the device's implementation
+* ``traced.py``  the merge of traced code: eager's Triton kernel on CUDA as a graph node
 * ``slots.py``   how many results one fused pass takes
 """
 from .online import accumulate_, init_, merge_, merge_many_, sum_many_
-from . import traced  # noqa: F401 - registers dtensor_ring::merged, which compiled code calls
 from .slots import MAX_BLOCKS, MAX_PARTS
 
 __all__ = ["MAX_BLOCKS", "MAX_PARTS", "accumulate_", "init_", "merge_", "merge_many_",

@@ -33,6 +33,7 @@ Tensors may be any strided views ([B, H, S, D] / [B, H, S]: the schedules merge 
 place). ``block_lse = -inf`` (a row that saw no key in this block) leaves the row unchanged.
 Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests use that).
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -158,11 +159,14 @@ def _slots(entries, capacity, seq):
     return tensors, args
 
 
-def merge_many_(target, target_lse, first, first_lse, blocks) -> None:
-    """``online.merge_many_`` in one kernel launch (1 to MAX_BLOCKS blocks)."""
+def merge_many_(target, target_lse, first, first_lse, blocks, traced=False) -> None:
+    """``online.merge_many_`` in one kernel launch (1 to MAX_BLOCKS blocks). ``traced``: the
+    launch through ``torch.library.wrap_triton``, a node of the traced graph that inductor
+    launches itself (``traced.py``)."""
     grid, meta = _grid(target)
     tensors, args = _slots(blocks, MAX_BLOCKS, first.shape[2])
-    _merge_many[grid](target, target_lse, first, first_lse, *tensors, *target.stride(),
+    kernel = torch.library.wrap_triton(_merge_many) if traced else _merge_many
+    kernel[grid](target, target_lse, first, first_lse, *tensors, *target.stride(),
                       *target_lse.stride(), *first.stride(), *first_lse.stride(), *args,
                       *target.shape[1:], BLOCKS=len(blocks), **meta)
 

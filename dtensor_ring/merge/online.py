@@ -20,8 +20,8 @@ backward's own dK/dV with the accumulator that came home).
 Implementations, one per device kind (``FP32_OPS``): on CUDA Triton kernels (``fused.py``:
 each one pass over its tensors; PyTorch's merge is ~8 elementwise kernels, and its 16-bit -> fp32
 copy and add take the slower mixed-dtype path), elsewhere torch ops. Traced code (the compile
-pass's ``make_fx``) merges through a custom op that runs the device's implementation
-(``traced.py``) and accumulates with the torch ops, which inductor fuses itself.
+pass's ``make_fx``) merges with eager's Triton kernel on CUDA, as a node of the graph
+(``traced.py``), and otherwise uses the torch ops, which inductor fuses itself.
 """
 import importlib.util
 

@@ -1,57 +1,42 @@
-"""The forward merge in traced code (the compile pass's ``make_fx``): one custom op,
-``dtensor_ring::merged``, that runs eager's implementation of the device (``online.FP32_OPS``:
-the Triton kernel of ``fused.py`` on CUDA, the torch ops elsewhere) and returns new tensors.
+"""The forward merge in traced code (the compile pass's ``make_fx``): on CUDA, eager's Triton
+kernel (``fused.py``) as a node of the graph, through ``torch.library.wrap_triton``, which inductor
+launches with its own launcher; elsewhere the torch ops, which inductor fuses.
 
-Why an op, not the torch ops for inductor to fuse: compiled llama3 merges each head group into its
-own tensor and concatenates them, and inductor fused the four groups' merges and the concatenation
-into one pointwise kernel that took 0.59 ms per forward (4 H200s, 8K tokens per GPU, 32/32 heads),
-where eager's four Triton merges took 0.077 ms in all (docs/design.md, "Measurements behind design
-choices"). Through the op a compiled forward merges exactly as an eager one, bit for bit.
+Why not the torch ops on CUDA too: compiled llama3 merges each head group into its own tensor and
+concatenates them, and inductor fused the four groups' merges and the concatenation into one
+pointwise kernel that took 0.59 ms per forward (4 H200s, 8K tokens per GPU, 32/32 heads), where
+eager's four Triton merges took 0.077 ms in all. Why not a custom op around the eager call: its
+host time, ~150 us a call on an H200's host (the op's dispatch and Triton's Python launch), left
+the GPU idle in a compiled call run alone (llama3 at W = 2 on 2 H200s: 1.07x eager, against 1.01x
+with the torch ops). Inductor's launch of the kernel costs host time too, less: a short call run
+alone still waits for it (llama3 at W = 2, one rank: 1.03-1.07x eager against 0.99-1.00x), while
+in steady state, and at W = 4 either way, the compiled call is as fast or faster
+(docs/design.md, "Measurements behind design choices"). The compiled forward's out is eager's,
+bit for bit.
 
 The accumulations (``accumulate_``, ``sum_many_``) stay torch ops: a cast or a sum, which inductor
 fuses into its neighbours.
 """
-import torch
-
-from .online import FP32_OPS, TorchFp32
-
-
-@torch.library.custom_op("dtensor_ring::merged", mutates_args=())
-def merged(first: torch.Tensor, first_lse: torch.Tensor, outs: list[torch.Tensor],
-           lses: list[torch.Tensor], rows: list[int],
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``online.merge_many_`` into new contiguous tensors (out in ``dtype``, lse fp32): block i is
-    (``outs[i]``, ``lses[i]``) for rows ``rows[2i]:rows[2i + 1]`` of ``first``."""
-    target, target_lse = _empty(first, first_lse, dtype)
-    blocks = [(o, s, slice(a, b)) for o, s, a, b in zip(outs, lses, rows[::2], rows[1::2])]
-    FP32_OPS["cuda" if first.is_cuda else "other"].merge_many_(target, target_lse, first,
-                                                              first_lse, blocks)
-    return target, target_lse
-
-
-@merged.register_fake
-def _(first, first_lse, outs, lses, rows, dtype):
-    return _empty(first, first_lse, dtype)
-
-
-def _empty(first, first_lse, dtype):
-    return (torch.empty(first.shape, dtype=dtype, device=first.device),
-            torch.empty(first_lse.shape, dtype=torch.float32, device=first.device))
+from .online import _HAS_TRITON, TorchFp32
 
 
 class TracedFp32(TorchFp32):
-    """Traced code: the merges through ``merged``, each result copied where the in-place call
-    writes it (functionalised, a copy over a whole target is the op's output itself)."""
+    """Traced code: the merges as eager's Triton kernel on CUDA, the torch ops elsewhere."""
 
     @staticmethod
     def merge_(out, lse, block_out, block_lse):
+        if not _triton(out):
+            return TorchFp32.merge_(out, lse, block_out, block_lse)
         TracedFp32.merge_many_(out, lse, out, lse, [(block_out, block_lse, slice(None))])
 
     @staticmethod
     def merge_many_(target, target_lse, first, first_lse, blocks):
-        seq = first.shape[2]
-        rows = [i for *_, r in blocks for i in r.indices(seq)[:2]]
-        out, lse = merged(first, first_lse, [b[0] for b in blocks], [b[1] for b in blocks], rows,
-                          target.dtype)
-        target.copy_(out)
-        target_lse.copy_(lse)
+        if not _triton(target):
+            return TorchFp32.merge_many_(target, target_lse, first, first_lse, blocks)
+        from . import fused  # noqa: PLC0415 - triton is optional
+
+        fused.merge_many_(target, target_lse, first, first_lse, blocks, traced=True)
+
+
+def _triton(tensor):
+    return tensor.is_cuda and _HAS_TRITON
