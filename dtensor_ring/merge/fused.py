@@ -167,8 +167,8 @@ def merge_many_(target, target_lse, first, first_lse, blocks, traced=False) -> N
     tensors, args = _slots(blocks, MAX_BLOCKS, first.shape[2])
     kernel = torch.library.wrap_triton(_merge_many) if traced else _merge_many
     kernel[grid](target, target_lse, first, first_lse, *tensors, *target.stride(),
-                      *target_lse.stride(), *first.stride(), *first_lse.stride(), *args,
-                      *target.shape[1:], BLOCKS=len(blocks), **meta)
+                 *target_lse.stride(), *first.stride(), *first_lse.stride(), *args,
+                 *target.shape[1:], BLOCKS=len(blocks), **meta)
 
 
 def sum_many_(target, parts) -> None:
