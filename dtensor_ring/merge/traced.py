@@ -9,10 +9,10 @@ eager's four Triton merges took 0.077 ms in all. Why not a custom op around the 
 host time, ~150 us a call on an H200's host (the op's dispatch and Triton's Python launch), left
 the GPU idle in a compiled call run alone (llama3 at W = 2 on 2 H200s: 1.07x eager, against 1.01x
 with the torch ops). Inductor's launch of the kernel costs host time too, less: a short call run
-alone still waits for it (llama3 at W = 2, one rank: 1.03-1.07x eager against 0.99-1.00x), while
-in steady state, and at W = 4 either way, the compiled call is as fast or faster
-(docs/design.md, "Measurements behind design choices"). The compiled forward's out is eager's,
-bit for bit.
+alone still waits for it (llama3 at W = 2, one rank: fwd+bwd 1.03-1.07x eager against 0.99-1.00x
+with the torch ops). In steady state it is within 3% of eager wherever measured, and llama3's
+forward at W = 4 went from 1.12-1.15x eager to 1.01x (docs/design.md, "Measurements behind design
+choices"). The compiled forward's out is eager's, bit for bit.
 
 The accumulations (``accumulate_``, ``sum_many_``) stay torch ops: a cast or a sum, which inductor
 fuses into its neighbours.
