@@ -1,4 +1,4 @@
-"""The forward merge of traced code (``merge/traced.py``), traced as the compile pass traces a
+"""The forward merge of traced code (``merge/online.TracedFp32``), traced as the compile pass traces a
 schedule (``make_fx`` over ``functionalize``, inductor's decompositions): on a GPU each merge is
 eager's Triton kernel, one node of the graph, which inductor launches itself; on CPU the torch
 ops. Either way the traced graph gives eager's bits, and both are the float64 merge to within fp32

@@ -1,8 +1,8 @@
 """The fp32 merge of partial attention results and the fp32 accumulation of block results.
 
 * ``online.py``  the online-softmax merge and the accumulation, one implementation per device kind
+                 (and for traced code)
 * ``fused.py``   the same as Triton kernels (CUDA; loaded only where Triton is installed)
-* ``traced.py``  the merge of traced code: eager's Triton kernel on CUDA as a graph node
 * ``slots.py``   how many results one fused pass takes
 """
 from .online import accumulate_, init_, merge_, merge_many_, sum_many_

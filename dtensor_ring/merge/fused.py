@@ -162,7 +162,7 @@ def _slots(entries, capacity, seq):
 def merge_many_(target, target_lse, first, first_lse, blocks, traced=False) -> None:
     """``online.merge_many_`` in one kernel launch (1 to MAX_BLOCKS blocks). ``traced``: the
     launch through ``torch.library.wrap_triton``, a node of the traced graph that inductor
-    launches itself (``traced.py``)."""
+    launches itself (``online.TracedFp32``)."""
     grid, meta = _grid(target)
     tensors, args = _slots(blocks, MAX_BLOCKS, first.shape[2])
     kernel = torch.library.wrap_triton(_merge_many) if traced else _merge_many
