@@ -30,9 +30,9 @@ pointwise kernel that took 0.59 ms per forward (4 H200s, 8K tokens per GPU, 32/3
 eager's four Triton merges took 0.077 ms in all. Why not a custom op around the eager call: its
 host time, ~150 us a call on an H200's host (the op's dispatch and Triton's Python launch), left
 the GPU idle in a compiled call run alone (llama3 at W = 2 on 2 H200s: 1.07x eager, against 1.01x
-with the torch ops). Inductor's launch of the kernel costs host time too, less: a short call run
-alone still waits for it (llama3 at W = 2, one rank: fwd+bwd 1.03-1.07x eager against 0.99-1.00x
-with the torch ops). In steady state it is within 3% of eager wherever measured, and llama3's
+with the torch ops). Inductor's launch of the kernel costs host time too: a short call run alone
+still waits for it (llama3 at W = 2, one rank, fwd+bwd: 1.03-1.07x eager, against 0.99-1.00x with
+the torch ops and 1.14x with the custom op in another lease). In steady state it is within 3% of eager wherever measured, and llama3's
 forward at W = 4 went from 1.12-1.15x eager to 1.01x (docs/design.md, "Measurements behind design
 choices"). The compiled forward's out is eager's, bit for bit.
 """
