@@ -1,9 +1,9 @@
-"""The forward merge of traced code (``merge/online.TracedFp32``), traced as the compile pass traces a
-schedule (``make_fx`` over ``functionalize``, inductor's decompositions): on a GPU each merge is
-eager's Triton kernel, one node of the graph, which inductor launches itself; on CPU the torch
-ops. Either way the traced graph gives eager's bits, and both are the float64 merge to within fp32
-rounding (2e-6 on values of order 1..10; the merge's own error is a few fp32 ulps), where a block
-left out is far off."""
+"""The forward merge of traced code (``merge/online.TracedFp32``), traced as the compile pass
+traces a schedule (``make_fx`` over ``functionalize``, inductor's decompositions): on a GPU each
+merge is eager's Triton kernel, one node of the graph, which inductor launches itself; on CPU the
+torch ops. Either way the traced graph gives eager's bits, and both are the float64 merge to
+within fp32 rounding (2e-6 on values of order 1..10; the merge's own error is a few fp32 ulps),
+where a block left out is far off."""
 import pytest
 import torch
 from torch._inductor.decomposition import select_decomp_table
@@ -30,8 +30,8 @@ def _inputs(gen):
 
 
 def _merges(first, first_lse, *blocks):
-    """A schedule's merges: all blocks in one pass into a fresh target, then the first block
-    again merged in place into a row slice (as ``attend_`` merges into its block's rows)."""
+    """A schedule's merges: all blocks in one pass into a fresh target, then the second block
+    again merged in place into its rows' slice (as ``attend_`` merges into its block's rows)."""
     parts = [(blocks[2 * i], blocks[2 * i + 1], rows) for i, rows in enumerate(SPANS)]
     out, lse = torch.empty_like(first), torch.empty_like(first_lse)
     merge_many_(out, lse, first, first_lse, parts)

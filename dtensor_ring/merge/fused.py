@@ -143,9 +143,10 @@ def _grid(tensor):
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
 
 
-def merge_(out, lse, block_out, block_lse) -> None:
-    """``online.merge_``: the block merged in place over every row of ``out``."""
-    merge_many_(out, lse, out, lse, [(block_out, block_lse, slice(0, out.shape[2]))])
+def merge_(out, lse, block_out, block_lse, traced=False) -> None:
+    """``online.merge_``: the block merged in place over every row of ``out`` (``traced``: as
+    ``merge_many_``'s)."""
+    merge_many_(out, lse, out, lse, [(block_out, block_lse, slice(0, out.shape[2]))], traced)
 
 
 def _slots(entries, capacity, seq):

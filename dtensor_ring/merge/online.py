@@ -32,9 +32,10 @@ host time, ~150 us a call on an H200's host (the op's dispatch and Triton's Pyth
 the GPU idle in a compiled call run alone (llama3 at W = 2 on 2 H200s: 1.07x eager, against 1.01x
 with the torch ops). Inductor's launch of the kernel costs host time too: a short call run alone
 still waits for it (llama3 at W = 2, one rank, fwd+bwd: 1.03-1.07x eager, against 0.99-1.00x with
-the torch ops and 1.14x with the custom op in another lease). In steady state it is within 3% of eager wherever measured, and llama3's
-forward at W = 4 went from 1.12-1.15x eager to 1.01x (docs/design.md, "Measurements behind design
-choices"). The compiled forward's out is eager's, bit for bit.
+the torch ops and 1.14x with the custom op in another lease). In steady state it is within 3% of
+eager wherever measured, and llama3's forward at W = 4 went from 1.12-1.15x eager to 1.01x
+(docs/design.md, "Measurements behind design choices"). The compiled forward's out is eager's,
+bit for bit.
 """
 import importlib.util
 
@@ -123,7 +124,9 @@ class TracedFp32(TorchFp32):
     def merge_(out, lse, block_out, block_lse):
         if not _triton(out):
             return TorchFp32.merge_(out, lse, block_out, block_lse)
-        TracedFp32.merge_many_(out, lse, out, lse, [(block_out, block_lse, slice(None))])
+        from . import fused  # noqa: PLC0415 - triton is optional
+
+        fused.merge_(out, lse, block_out, block_lse, traced=True)
 
     @staticmethod
     def merge_many_(target, target_lse, first, first_lse, blocks):

@@ -395,7 +395,8 @@ class Llama3:
         # concatenated at the end. Written through head slices of one tensor, each group's
         # functionalised write was a pass over every head under inductor (4 H200s, 8K tokens per
         # GPU, 32/32 heads: 0.11-0.14 ms per group; eager's in-place merges, 0.08 ms for all
-        # four). The merges are eager's Triton kernel (merge/online.TracedFp32); the cat is one copy.
+        # four). The merges are eager's Triton kernel (merge/online.TracedFp32); the cat is one
+        # copy.
         traced, results = is_traced(q), []
         for i, heads in enumerate(groups):
             gathered = pending.wait()
