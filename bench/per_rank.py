@@ -212,8 +212,8 @@ def build_parser():
                    help=f"comma list of methods to run, from {','.join(METHODS)}, or 'all' "
                         "(default)")
     p.add_argument("--fp32-backend", choices=("auto", *sorted(BACKENDS)), default="auto",
-                   help="block kernel of the fp32 methods; auto: cuDNN on Hopper "
-                        "(default %(default)s)")
+                   help="block kernel of the fp32 methods; auto: cuDNN on Hopper, with "
+                        "--documents the first kernel with a varlen form (default %(default)s)")
     p.add_argument("--ranks", type=_ranks, default="all", metavar="all|LIST",
                    help="ranks to time, 'all' or a comma list; a row reports the max over "
                         "them (default %(default)s)")
@@ -367,8 +367,9 @@ class Schedule:
         backend = args.fp32_backend if self.precision == "fp32" else "auto"
         docs = cfg.documents is not None
         window = cfg.window_arg()
-        self.kernel = get_kernel(backend if not docs else "auto", torch.device(device), cfg.dtype,
-                                 cfg.head_dim, self.precision, docs, window is not None)
+        # auto takes a kernel with a document form; a named one without it is the row's error
+        self.kernel = get_kernel(backend, torch.device(device), cfg.dtype, cfg.head_dim,
+                                 self.precision, docs, window is not None)
         self.options = dict(is_causal=cfg.causal, scale=cfg.head_dim ** -0.5, kernel=self.kernel,
                             window=window)
         self.documents = None if not docs else (

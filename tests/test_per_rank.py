@@ -58,6 +58,20 @@ def test_smoke_run_with_packed_documents(one_thread):
     assert all(r["bytes_fraction"] == 1 and r["documents_whole"] == 0 for r in rows[1:])
 
 
+def test_fp32_backend_picks_the_document_kernel(one_thread):
+    """--fp32-backend holds with --documents: the named kernel runs the fp32 rows (it was
+    ignored, auto's kernel ran); one without a varlen form is the row's error, naming it."""
+    argv = ["--device", "cpu", "--world", "2", "--tokens-per-gpu", "64", "--heads", "2",
+            "--kv-heads", "2", "--head-dim", "16", "--iters", "1", "--warmup", "0", "--methods",
+            "zigzag_fp32", "--documents", "--no-profile"]
+    (row,) = per_rank.main([*argv, "--fp32-backend", "math"])["rows"]
+    assert row["error"] is None and row["kernel"] == "math"
+    (row,) = per_rank.main(argv)["rows"]
+    assert row["error"] is None and row["kernel"] == "cpu_flash"
+    (row,) = per_rank.main([*argv, "--fp32-backend", "cudnn"])["rows"]
+    assert "backend='cudnn'" in row["error"]
+
+
 def test_smoke_run_with_a_sliding_window(one_thread):
     """--window: every method with a window shorter than a rank's share (steps skipped), the
     ideal the CPU kernel with the window over the whole sequence; the ranks' fractions of it are
