@@ -10,7 +10,7 @@ Packed documents: PyTorch's flash op has a varlen form (``_flash_attention_forwa
 document kernel of fp32 mode on CUDA. cuDNN's ragged form (``_cudnn_attention_forward`` with
 boundaries) is not used: with torch 2.11 and cuDNN 9.19 it was orders of magnitude slower than
 flash's, and gave wrong rows for causal segments of unequal lengths. Through cudnn-frontend's graph
-API its kernels are faster than flash's, but each call costs about twice flash's host time, which
+API its kernels are faster than flash's, but each call costs three times flash's host time, which
 ate the gain in an eager zigzag rank (docs/design.md, "Measurements behind design choices").
 
 Strided inputs: the schedules pass row slices of [B, H, S, D] tensors (zigzag's half blocks).
