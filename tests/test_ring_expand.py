@@ -266,7 +266,7 @@ llama3 full fwd            all_gather 2                             512       1 
 llama3 full bwd            all_gather 2, reduce_scatter 2          2560       2      0    2    0   4096 342
 zigzag causal fwd docs     send_recv_next 3                        1536       3      0    0    4   4096 419
 zigzag causal bwd docs     send_recv_next 6                        3072       6      0    0    5   3840 493
-llama3 causal fwd docs     all_gather 2                             512       2      0    0    5   9216 681
+llama3 causal fwd docs     all_gather 2                             512       2      0    0    5   9216 687
 ring causal fwd window 3   send_recv+1 1                             96       1      0    0    2   1060  92
 ring causal bwd window 3   send_recv+1 1, send_recv-1 1             192       2      0    0    3    644 189
 zigzag causal fwd window 3 send_recv+1 1, send_recv+3 1             192       2      0    0    4    584 193

@@ -37,9 +37,10 @@ reduce-scatter that (fp32) back to the owners, overlapped with the next group; e
 its own block's dK/dV to the share it receives in one pass written in k's dtype.
 Groups: min(Hkv, W), so a gathered group is about the size of the local K/V.
 
-Packed documents (``docs``): the gathered K/V go to natural order through an index (documents
-are zigzagged one by one), and each q chunk kind is one varlen block over every local row and
-the whole gathered sequence, bottom-right causal per segment. For document d (local rows [o, o'),
+Packed documents (``docs``): the messages are sequence-major, the gathered K/V go to natural order
+in one gather of whole rows (documents are zigzagged one by one), and each q chunk kind is one
+varlen block over every local row and the whole gathered sequence, bottom-right causal per
+segment. For document d (local rows [o, o'),
 chunks of c rows; natural keys [D, D')), with e = (r + 1) c and f = (2W - r) c keys seen:
 
     block A (chunk r, fresh):        [o, o+c) | [D, D+e)   then  none | [D+e, D')   then
@@ -55,6 +56,7 @@ window as positions). The all-gather still moves every rank's K/V: ``schedule="a
 against the ring schedules' windowed exchange (``schedules/__init__.py``).
 """
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
@@ -104,23 +106,29 @@ def to_rank_major(natural: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def documents_to_natural(gathered: torch.Tensor, placement) -> torch.Tensor:
-    """``to_natural`` with documents: [W, ..., R, D] -> [..., W * R, D] (a view of one gathering
-    copy, tokens along dim -2), R the rows each rank sends (``Placement.exchanged_rows``), in the
-    order of the long documents (the rows past them after: ``Placement.gathered_positions``)."""
-    world, rows = gathered.shape[0], gathered.shape[-2]
+    """``to_natural`` with documents: [W, R, ...] gathered sequence-major messages (R the rows
+    each rank sends, ``Placement.exchanged_rows``) -> [W * R, ...] in the order of the long
+    documents (the rows past them after: ``Placement.gathered_positions``), in one gather of
+    whole rows (measured: docs/design.md, "Measurements behind design choices")."""
     order = placement.docs.cached(
-        ("llama3_natural_order", world, placement.local_len),
+        ("llama3_natural_order", placement.world, placement.local_len),
         lambda: placement.gathered_positions(ZIGZAG).argsort())
-    natural = gathered[order // rows, ..., order % rows, :]  # [W * R, ..., D]
-    return natural.movedim(0, -2)
+    return _rows_gathered(gathered.flatten(0, 1), order)
 
 
 def documents_to_rank_major(natural: torch.Tensor, placement, world: int) -> torch.Tensor:
-    """Inverse of ``documents_to_natural``: [..., W * R, D] -> [W, R, ..., D] (one copy; the
-    receiver moves R back in place)."""
-    rows = natural.shape[-2] // world
-    taken = natural.movedim(-2, 0).index_select(0, placement.gathered_positions(ZIGZAG))
-    return taken.view(world, rows, *taken.shape[1:])
+    """Inverse of ``documents_to_natural``: [W * R, ...] -> [W, R, ...], one gather of rows."""
+    taken = _rows_gathered(natural, placement.gathered_positions(ZIGZAG))
+    return taken.view(world, -1, *taken.shape[1:])
+
+
+def _rows_gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index)`` for a contiguous ``x``, each row moved in machine words
+    (traced, as it is: inductor writes the gather itself)."""
+    if is_fake(x):
+        return x.index_select(0, index)
+    (words,) = as_words(x.view(x.shape[0], -1))
+    return words.index_select(0, index).view(x.dtype).view(-1, *x.shape[1:])
 
 
 def _document_blocks(rank, world, placement, is_causal):
@@ -192,16 +200,19 @@ class _NaturalOrder:
                            for j, chunk in enumerate((rank, 2 * world - 1 - rank))]
 
     @staticmethod
-    def message(k, v, heads: slice, rows: int) -> torch.Tensor:
-        """K and V of a group of kv heads as one [2, B, Hg, R, D] message (a copy of each): their
-        first ``rows`` rows (with placed documents the long part's, ``exchanged_rows``)."""
-        if rows < k.shape[2]:
-            k, v = k[:, :, :rows], v[:, :, :rows]
-        return stacked([k[:, heads], v[:, heads]], 0)
+    def message(k, v, heads: slice, rows: int, docs) -> torch.Tensor:
+        """K and V of a group of kv heads as one message (a copy of each): [2, B, Hg, S, D], or
+        with documents sequence-major, [R, 2, B, Hg, D], their first R = ``rows`` rows (the long
+        part's, ``exchanged_rows``), for ``documents_to_natural``'s gather of whole rows."""
+        if docs is None:
+            return stacked([k[:, heads], v[:, heads]], 0)
+        return _OwnThenOthers.message(k[:, :, :rows], v[:, :, :rows], heads, rows, None)
 
     def _natural(self, gathered):
-        return (to_natural(gathered) if self.docs is None
-                else documents_to_natural(gathered, self.placement))
+        """The gathered group's (k, v) in natural order, [B, Hg, W * S, D] each."""
+        if self.docs is None:
+            return to_natural(gathered)
+        return _heads_major(documents_to_natural(gathered, self.placement))
 
     def start(self, kernel, q, k, v, scale):
         """The forward's (out, lse) to fill group by group: fp32 (the fresh blocks, and the short
@@ -226,8 +237,13 @@ class _NaturalOrder:
                  dq: "RowSums | HeldSums") -> torch.Tensor:
         """dq into ``dq``; returns the group's dK/dV to reduce-scatter, rank-major."""
         k_all, v_all = self._natural(gathered)
-        dkv_all = fp32_empty(q, (2, *k_all.shape))
-        sums = [dq, RowSums(dkv_all[0]), RowSums(dkv_all[1])]
+        if self.docs is None:
+            dkv_all = fp32_empty(q, (2, *k_all.shape))
+            dk_all, dv_all = dkv_all[0], dkv_all[1]
+        else:  # sequence-major, as the messages: [W * R, 2, B, Hg, D]
+            dkv_all = fp32_empty(gathered, (k_all.shape[2], *gathered.shape[2:]))
+            dk_all, dv_all = _heads_major(dkv_all)
+        sums = [dq, RowSums(dk_all), RowSums(dv_all)]
         for block, _ in self.blocks:
             block_backward(kernel, dout, q, k_all, v_all, out, lse, block, scale, *sums)
         for row_sums in sums[1:]:
@@ -238,7 +254,7 @@ class _NaturalOrder:
 
     def owned(self, received):
         """A reduce-scattered share as [2, B, Hg, S_local, D] (with documents it arrives as
-        [S_local, 2, B, Hg, D]: ``documents_to_rank_major``)."""
+        [R, 2, B, Hg, D], the messages' layout)."""
         return received if self.docs is None else received.movedim(0, -2)
 
 
@@ -277,7 +293,7 @@ class _OwnThenOthers:
         self.local = Block(slice(0, local_len), slice(0, local_len), CAUSAL)
 
     @staticmethod
-    def message(k, v, heads: slice, rows: int) -> torch.Tensor:
+    def message(k, v, heads: slice, rows: int, docs) -> torch.Tensor:
         """K and V of a group of kv heads as one [S, 2, B, Hg, D] message (a copy of each; no
         documents here: every row)."""
         return stacked([k[:, heads].permute(2, 0, 1, 3), v[:, heads].permute(2, 0, 1, 3)], 1)
@@ -384,7 +400,7 @@ class Llama3:
         groups, q_per_kv = head_groups(k.shape[1], comm.world_size), q.shape[1] // k.shape[1]
         plan_cls = plan_class(is_causal, kernel, docs, window)
         rows = exchanged_rows(docs, comm.world_size, q.shape[2])
-        pending = comm.all_gather(plan_cls.message(k, v, groups[0], rows)) if rows else None
+        pending = comm.all_gather(plan_cls.message(k, v, groups[0], rows, docs)) if rows else None
         plan = plan_cls(comm.rank, comm.world_size, q.shape[2], is_causal, docs, window,
                         kernel.masks)
         if pending is None:  # placed documents, all short: each rank attends its own
@@ -401,7 +417,7 @@ class Llama3:
         for i, heads in enumerate(groups):
             gathered = pending.wait()
             if i + 1 < len(groups):
-                pending = comm.all_gather(plan.message(k, v, groups[i + 1], rows))
+                pending = comm.all_gather(plan.message(k, v, groups[i + 1], rows, docs))
             q_heads = slice(heads.start * q_per_kv, heads.stop * q_per_kv)
             if traced:
                 results.append((first[:, q_heads].clone(), lse[:, q_heads].clone()))
@@ -426,7 +442,8 @@ class Llama3:
         dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
         plan_cls = plan_class(is_causal, kernel, docs, window)
         rows = exchanged_rows(docs, world, q.shape[2])  # 0: placed documents, all short
-        pending_kv = comm.all_gather(plan_cls.message(k, v, groups[0], rows)) if rows else None
+        pending_kv = (comm.all_gather(plan_cls.message(k, v, groups[0], rows, docs)) if rows
+                      else None)
         pending_grad = None
         plan = plan_cls(comm.rank, world, q.shape[2], is_causal, docs, window, kernel.masks)
         own = {}  # group index -> the own block's (key rows, dk, dv) of that group's heads
@@ -461,7 +478,7 @@ class Llama3:
                 continue
             gathered = pending_kv.wait()
             if i + 1 < len(groups):
-                pending_kv = comm.all_gather(plan.message(k, v, groups[i + 1], rows))
+                pending_kv = comm.all_gather(plan.message(k, v, groups[i + 1], rows, docs))
             dkv_all = plan.backward(kernel, dout[:, q_heads], q[:, q_heads], out[:, q_heads],
                                     lse[:, q_heads], gathered, scale, dq_heads)
             if kernel.exact:
