@@ -123,11 +123,11 @@ def documents_to_rank_major(natural: torch.Tensor, placement, world: int) -> tor
 
 
 def _rows_gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(0, index)`` for a contiguous ``x``, each row moved in machine words
-    (traced, as it is: inductor writes the gather itself)."""
+    """``x.index_select(0, index)``, each row moved in machine words (traced, as it is: inductor
+    writes the gather itself)."""
     if is_fake(x):
         return x.index_select(0, index)
-    (words,) = as_words(x.view(x.shape[0], -1))
+    (words,) = as_words(x.reshape(x.shape[0], -1))  # a view: the gathered buffers are dense
     return words.index_select(0, index).view(x.dtype).view(-1, *x.shape[1:])
 
 
