@@ -29,8 +29,10 @@ class Auto:
     With packed documents, zigzag whatever the head counts: its ring sends only the long
     documents' rows and computes each step in one varlen call, where llama3's head groups
     multiply the calls (each with host time comparable to its compute, and each as long as its
-    longest document's programs whatever its heads) and add a reordering copy per group. One rank at W = 4, 8K tokens per GPU, 32/8 heads, on an H100: zigzag 0.55 / 0.59
-    of the varlen ideal (fwd / fwd+bwd), llama3 0.22 / 0.30 (docs/results.md).
+    longest document's programs whatever its heads) and add a reordering copy per group. One
+    rank at W = 4, 8K tokens per GPU, 32/8 heads, on an H100: zigzag 0.55 / 0.59 of the varlen
+    ideal (fwd / fwd+bwd), llama3 0.22 / 0.30 (docs/results.md; fewer groups: docs/design.md,
+    "Measurements behind design choices").
     """
 
     name, layout = "auto", ZIGZAG
