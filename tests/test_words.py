@@ -3,7 +3,7 @@ results, bit for bit."""
 import pytest
 import torch
 
-from dtensor_ring.kernels.words import as_words, copied, flipped_rows, stacked, zero_
+from dtensor_ring.kernels.words import as_words, copied, flipped_rows, gathered_rows, stacked, zero_
 
 
 def _rows(*shape, dtype, seed=0):
@@ -39,6 +39,17 @@ def test_copied_is_the_reshape():
     got = copied(gathered, lambda x: x[:3, :3].flatten(0, 1))
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, gathered[:3, :3].flatten(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_rows_is_index_select(dtype):
+    # llama3's natural order: gathered [W * R, 2, B, Hg, D] rows in a permuted order
+    x = _rows(12, 2, 1, 3, 16, dtype=dtype)
+    index = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(gathered_rows(x, index), x.index_select(0, index))
+    assert not torch.equal(gathered_rows(x, index), x.index_select(0, index.flip(0)))  # can fail
+    strided = x.transpose(0, 1)[0]  # not dense: copied first, the same rows
+    assert torch.equal(gathered_rows(strided, index), strided.index_select(0, index))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

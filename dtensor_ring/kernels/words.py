@@ -1,4 +1,4 @@
-"""Strided copies, fills and reversals of whole rows, done in machine words.
+"""Strided copies, gathers, fills and reversals of whole rows, done in machine words.
 
 A tensor whose last dim (a row of D elements: a head's vector) is contiguous but whose other dims
 are strided (llama3's reorders of gathered K/V, a row slice of an accumulator) is copied or filled
@@ -50,6 +50,16 @@ def copied(x: torch.Tensor, reorder) -> torch.Tensor:
     """``reorder(x)`` (a reshape of a strided view: a copy), copied in words."""
     (words,) = as_words(x)
     return reorder(words).view(x.dtype)
+
+
+def gathered_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index)``, each slice along dim 0 moved in words (llama3's reorders of
+    gathered sequence-major K/V and their gradients); traced, as it is (inductor writes the gather
+    itself)."""
+    if is_fake(x):
+        return x.index_select(0, index)
+    (words,) = as_words(x.reshape(x.shape[0], -1))  # a view for a dense x (the gathered buffers)
+    return words.index_select(0, index).view(x.dtype).view(-1, *x.shape[1:])
 
 
 def zero_(x: torch.Tensor) -> None:

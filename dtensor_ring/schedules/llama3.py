@@ -56,7 +56,6 @@ window as positions). The all-gather still moves every rank's K/V: ``schedule="a
 against the ring schedules' windowed exchange (``schedules/__init__.py``).
 """
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from ..comm import Communicator
 from ..kernels.base import CAUSAL, CAUSAL_BOTTOM_RIGHT, NONE
@@ -68,7 +67,7 @@ from ..layouts.windows import Run, band_block, with_positions
 from ..merge import MAX_PARTS, accumulate_, merge_many_, sum_many_
 from .base import (HeldSums, RowSums, attend_, backward_operands, block_backward, fp32_empty,
                    merge_target, result_out)
-from ..kernels.words import as_words, copied, stacked, zero_
+from ..kernels.words import as_words, copied, gathered_rows, stacked, zero_
 
 
 def head_groups(kv_heads: int, world_size: int) -> list[slice]:
@@ -113,22 +112,13 @@ def documents_to_natural(gathered: torch.Tensor, placement) -> torch.Tensor:
     order = placement.docs.cached(
         ("llama3_natural_order", placement.world, placement.local_len),
         lambda: placement.gathered_positions(ZIGZAG).argsort())
-    return _rows_gathered(gathered.flatten(0, 1), order)
+    return gathered_rows(gathered.flatten(0, 1), order)
 
 
 def documents_to_rank_major(natural: torch.Tensor, placement, world: int) -> torch.Tensor:
     """Inverse of ``documents_to_natural``: [W * R, ...] -> [W, R, ...], one gather of rows."""
-    taken = _rows_gathered(natural, placement.gathered_positions(ZIGZAG))
+    taken = gathered_rows(natural, placement.gathered_positions(ZIGZAG))
     return taken.view(world, -1, *taken.shape[1:])
-
-
-def _rows_gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(0, index)``, each row moved in machine words (traced, as it is: inductor
-    writes the gather itself)."""
-    if is_fake(x):
-        return x.index_select(0, index)
-    (words,) = as_words(x.reshape(x.shape[0], -1))  # a view: the gathered buffers are dense
-    return words.index_select(0, index).view(x.dtype).view(-1, *x.shape[1:])
 
 
 def _document_blocks(rank, world, placement, is_causal):
